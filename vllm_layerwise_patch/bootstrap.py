@@ -1,0 +1,40 @@
+"""What the interpreter-start hook runs (``vllm_layerwise_patch.pth`` and the
+opt-in ``sitecustomize``).  The ``.pth`` line itself only reads two
+environment variables, so with the overlay off this module is never imported.
+
+It must never break Python start-up: any error is printed as one line on
+stderr and the interpreter carries on without the overlay.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+CPU_V2_ENV = "VLLM_LAYERWISE_PATCH_CPU_V2"
+
+# site may process the same site-packages twice (a venv's lib64 -> lib link):
+# boot once per process.
+_booted = False
+
+
+def boot() -> None:
+    global _booted
+    if _booted:
+        return
+    _booted = True
+    try:
+        if os.environ.get(CPU_V2_ENV, "0").strip() not in ("", "0"):
+            from .testing.cpu_v2 import install_cpu_v2_shim
+
+            install_cpu_v2_shim()
+        from .activation import activate, env_enabled
+
+        if env_enabled():
+            activate()
+    except Exception as exc:  # never break interpreter start
+        print(
+            f"vllm-layerwise-patch: bootstrap disabled in this process: "
+            f"{type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )

@@ -1,0 +1,103 @@
+"""Checks of a vLLM engine configuration that a layerwise hybrid pool needs.
+
+Shared by ``doctor --engine-args`` and (later) the pool connector's startup
+validation.  Each check is a :class:`Check` with ``ok`` True / False / None
+(None: not applicable to this configuration).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    ok: bool | None
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _truthy(v: str | None) -> bool | None:
+    if v is None or v.strip() == "":
+        return None
+    return v.strip().lower() in ("1", "true", "yes", "on")
+
+
+def env_checks() -> list[Check]:
+    """What can be told from the environment alone (no engine config)."""
+    v2 = _truthy(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+    return [
+        Check(
+            "model-runner-v2",
+            bool(v2),
+            "VLLM_USE_V2_MODEL_RUNNER=1" if v2 else
+            "VLLM_USE_V2_MODEL_RUNNER is not 1: the overlay targets Model Runner V2",
+        )
+    ]
+
+
+def _is_hybrid(vllm_config: Any) -> bool:
+    mc = getattr(vllm_config, "model_config", None)
+    try:
+        return bool(mc is not None and mc.is_hybrid)
+    except Exception:
+        return False
+
+
+def vllm_config_checks(vllm_config: Any, *, layerwise: bool = True) -> list[Check]:
+    """Checks on a built ``VllmConfig``."""
+    out: list[Check] = []
+    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    out.append(Check("model-runner-v2", v2,
+                     "Model Runner V2 in use" if v2 else
+                     "V1 model runner in use: set VLLM_USE_V2_MODEL_RUNNER=1"))
+    cc = vllm_config.cache_config
+    pc = bool(cc.enable_prefix_caching)
+    out.append(Check("prefix-caching", pc,
+                     "enabled" if pc else "off: pass --enable-prefix-caching"))
+    hybrid = _is_hybrid(vllm_config)
+    mode = getattr(cc, "mamba_cache_mode", None)
+    out.append(Check(
+        "mamba-align-mode",
+        (mode == "align") if hybrid else None,
+        f"mamba_cache_mode={mode!r}" + ("" if hybrid else " (model is not hybrid)")
+        + ("" if not hybrid or mode == "align" else
+           ": hybrid hits need 'align' (prefix caching sets it)"),
+    ))
+    disabled = getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", None)
+    out.append(Check(
+        "hybrid-kv-cache-manager",
+        (not disabled) if hybrid else None,
+        ("on" if not disabled else
+         "disabled: the connector must be SupportsHMA and "
+         "--disable-hybrid-kv-cache-manager must not be set")
+        + ("" if hybrid else " (model is not hybrid)"),
+    ))
+    mode_cg = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    full = bool(mode_cg is not None and mode_cg.has_full_cudagraphs())
+    out.append(Check(
+        "cudagraph-mode",
+        (not full) if layerwise else None,
+        f"cudagraph_mode={getattr(mode_cg, 'name', mode_cg)}"
+        + (": FULL cudagraphs skip per-layer hooks; use PIECEWISE or NONE"
+           if full and layerwise else ""),
+    ))
+    return out
+
+
+def engine_args_checks(argv: list[str]) -> list[Check]:
+    """Build the engine config from ``vllm serve``-style arguments and check it."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="doctor"))
+    ns = parser.parse_args(argv)
+    args = EngineArgs.from_cli_args(ns)
+    vc = args.create_engine_config()
+    layerwise = vc.kv_transfer_config is not None
+    return vllm_config_checks(vc, layerwise=layerwise)

