@@ -115,3 +115,19 @@ def test_doctor_notices_a_target_replaced_after_apply():
     row = {p["id"]: p for p in report["patches"]}["hybrid-block-size"]
     assert proc.returncode == 1
     assert row["state"] == "failed" and "replaced after apply" in row["reason"]
+
+
+@pytest.mark.parametrize("prefix_caching,expect_ok", [(True, True), (False, False)])
+def test_engine_args_configuration_checks(tiny_model_dir, prefix_caching, expect_ok):
+    args = (f"--model {tiny_model_dir} --skip-tokenizer-init --max-model-len 4096 "
+            + ("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"))
+    env = clean_env(VLLM_LAYERWISE_PATCH="1", VLLM_LAYERWISE_PATCH_CPU_V2="1")
+    proc = doctor(["--json", "--engine-args", args], env)
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, load_schema())
+    checks = {c["name"]: c for c in report["config_checks"]}
+    assert checks["model-runner-v2"]["ok"] is True
+    assert checks["hybrid-kv-cache-manager"]["ok"] is True
+    assert checks["prefix-caching"]["ok"] is prefix_caching
+    assert checks["mamba-align-mode"]["ok"] is prefix_caching
+    assert (proc.returncode == 0) is expect_ok and report["ok"] is expect_ok

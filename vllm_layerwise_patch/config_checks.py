@@ -31,7 +31,7 @@ def _truthy(v: str | None) -> bool | None:
 def env_checks() -> list[Check]:
     """What can be told from the environment alone (no engine config)."""
     v2 = _truthy(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
-    return [
+    out = [
         Check(
             "model-runner-v2",
             bool(v2),
@@ -39,6 +39,19 @@ def env_checks() -> list[Check]:
             "VLLM_USE_V2_MODEL_RUNNER is not 1: the overlay targets Model Runner V2",
         )
     ]
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except Exception:
+        HAS_TRITON = None
+    if HAS_TRITON is not None:
+        out.append(Check(
+            "triton",
+            bool(HAS_TRITON) if v2 else None,
+            "Triton usable by vLLM" if HAS_TRITON else
+            "vLLM found no usable Triton backend: Model Runner V2 will refuse to "
+            "start (on CPU-only test machines see vllm_layerwise_patch.testing)",
+        ))
+    return out
 
 
 def _is_hybrid(vllm_config: Any) -> bool:

@@ -214,8 +214,11 @@ def render(report: dict[str, Any]) -> str:
         lines += ["", "warnings"]
         for w in report["warnings"]:
             lines += _wrap("! " + w, 2)
-    lines += ["", "result: " + ("OK" if report["ok"] else
-                                "NOT OK (see above; exit status 1)")]
+    failed = [c["name"] for c in report["config_checks"] if c["ok"] is False]
+    result = "OK" if report["ok"] else "NOT OK (see above; exit status 1)"
+    if report["ok"] and failed:
+        result += f" for the patches; advisory configuration check(s) failed: {', '.join(failed)}"
+    lines += [""] + _wrap("result: " + result, 0)
     return "\n".join(line.rstrip() for line in lines)
 
 
