@@ -12,6 +12,7 @@ commands:
                        report environment, activation, every patch and the
                        configuration; exit 0 only when all is well
   list [--markdown]    each patch's documentation fields
+  demo [--model-dir D] the CPU demo: tiny hybrid model, real vLLM V2 run
   sitecustomize-dir    print the directory to put on PYTHONPATH for the
                        opt-in sitecustomize bootstrap
 """
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from .listing import main as list_main
 
         return list_main(rest)
+    if cmd == "demo":
+        from .demo import run
+
+        return run(rest)
     if cmd == "sitecustomize-dir":
         import os
 

