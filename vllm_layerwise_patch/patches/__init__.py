@@ -11,7 +11,11 @@ import importlib
 from ..registry import Patch
 
 #: Module names under this package, in application order.
-PATCH_MODULES = ("hybrid_block_size",)
+PATCH_MODULES = (
+    "hybrid_block_size",
+    "deferred_mamba_precopy",
+    "gdn_layer_hooks",
+)
 
 
 def all_patches() -> list[Patch]:

@@ -1,0 +1,146 @@
+"""The layerwise mamba copy protocol: the contract between the
+``deferred-mamba-precopy`` patch and KV connectors (DESIGN §4).
+
+A connector that loads mamba state layer by layer implements:
+
+* ``requires_mamba_state_copy_after_layer_load: bool`` - when False (or absent)
+  nothing changes: vLLM runs its bulk align pre-copy before the forward;
+* ``prepare_mamba_state_copy(model_state) -> bool`` - called from the patched
+  ``MambaHybridModelState.preprocess_state`` after the decision kernel ran;
+  True means "I will trigger the per-layer copies this step";
+* inside ``wait_for_layer_load(layer_name)``, after the connector's own load of
+  that layer completed: ``model_state.do_mamba_copy_for_layer(layer_name)``
+  (a no-op for non-mamba layers and for a layer already copied);
+* ``finish_mamba_state_copy()`` - called once by the next step's
+  ``preprocess_state`` after it verified that every deferred layer was copied
+  (a layer left pending raises ``RuntimeError`` naming it); idempotent.
+
+Optional, used by the GDN/KDA layer hooks (``layer_hooks``):
+
+* ``on_layer_compute_start(layer_name)`` - called right after
+  ``wait_for_layer_load`` returns, when the layer is about to touch its state:
+  the compute-start fence that lets later layers' prefetch begin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+REQUIRES_ATTR = "requires_mamba_state_copy_after_layer_load"
+PREPARE = "prepare_mamba_state_copy"
+FINISH = "finish_mamba_state_copy"
+COPY_FOR_LAYER = "do_mamba_copy_for_layer"
+COMPUTE_START = "on_layer_compute_start"
+
+
+def active_connector() -> Any | None:
+    """The worker-side v1 KV connector of this process, or None."""
+    try:
+        from vllm.distributed.kv_transfer import (
+            get_kv_transfer_group,
+            has_kv_transfer_group,
+            is_v1_kv_transfer_group,
+        )
+    except ImportError:
+        return None
+    if not has_kv_transfer_group() or not is_v1_kv_transfer_group():
+        return None
+    return get_kv_transfer_group()
+
+
+def requires_layerwise_copy(connector: Any) -> bool:
+    return bool(connector is not None and getattr(connector, REQUIRES_ATTR, False))
+
+
+def layer_state_rows(kv_cache_config: Any, mamba_group_ids: list[int],
+                     copy_funcs: Any) -> dict[str, tuple[int, int]]:
+    """Map each mamba layer to its ``[start, end)`` rows in the
+    ``MambaSpecDecodeGPUContext`` per-state arrays.
+
+    Same enumeration as ``MambaSpecDecodeGPUContext._populate_metadata``:
+    mamba groups, then each group's layer names, then the state types of the
+    layer's mamba type (GDN: conv, then temporal)."""
+    from vllm.v1.worker.mamba_utils import _get_mamba_spec_for_layer
+
+    rows: dict[str, tuple[int, int]] = {}
+    idx = 0
+    for gid in mamba_group_ids:
+        group = kv_cache_config.kv_cache_groups[gid]
+        for name in group.layer_names:
+            spec = _get_mamba_spec_for_layer(group, name)
+            n = len(copy_funcs[spec.mamba_type])
+            rows[name] = (idx, idx + n)
+            idx += n
+    return rows
+
+
+def launch_precopy_rows(ctx: Any, start: int, end: int, num_reqs: int,
+                        state_idx: Any, src_col: Any, token_bias: Any,
+                        idx_mapping: Any) -> None:
+    """Launch vLLM's align pre-copy kernel on rows ``[start, end)`` only.
+
+    Same arguments as ``MambaSpecDecodeGPUContext.run_fused_precopy`` (vLLM
+    0.30-0.33), with the per-state metadata sliced (a sliced view passes an
+    offset data pointer) and the full block-table pointers.  The kernel is
+    looked up on the module at call time, so a kernel override
+    (``bytewise-precopy-kernel``) is honoured.  No CPU-GPU sync."""
+    from vllm.v1.worker import mamba_utils as mu
+
+    if num_reqs == 0 or end <= start:
+        return
+    tiles = getattr(mu, "_TEMPORAL_TILES", 1)
+    mu.precopy_mamba_align_fused_kernel[(num_reqs, end - start, tiles)](
+        state_idx,
+        src_col,
+        token_bias,
+        ctx.block_table_ptrs,
+        ctx.block_table_stride_req,
+        ctx.state_base_addrs[start:end],
+        ctx.state_block_strides[start:end],
+        ctx.state_elem_sizes[start:end],
+        ctx.state_inner_sizes[start:end],
+        ctx.state_conv_widths[start:end],
+        ctx.state_group_indices[start:end],
+        ctx.state_dim_row_count[start:end],
+        ctx.state_dim_row_stride[start:end],
+        idx_mapping,
+        num_reqs,
+        COPY_BLOCK_SIZE=1024,
+        CONV_STATE_DIM_FIRST=mu.is_conv_state_dim_first(),
+        HAS_IDX_MAPPING=idx_mapping is not None,
+        TEMPORAL_TILES=tiles,
+    )
+
+
+@dataclasses.dataclass
+class DeferredMambaCopy:
+    """One step's pre-copy, deferred to the per-layer loads.
+
+    Holds the buffers the decision kernel wrote (valid until the next
+    ``preprocess_state``) and the set of layers still to copy."""
+
+    ctx: Any
+    rows: dict[str, tuple[int, int]]
+    num_reqs: int
+    state_idx: Any
+    src_col: Any
+    token_bias: Any
+    idx_mapping: Any
+    pending: set[str] = dataclasses.field(default_factory=set)
+    launched: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.pending:
+            self.pending = set(self.rows)
+
+    def copy_layer(self, layer_name: str) -> bool:
+        """Launch the copy for ``layer_name`` once; False for anything else."""
+        if layer_name not in self.pending:
+            return False
+        start, end = self.rows[layer_name]
+        launch_precopy_rows(self.ctx, start, end, self.num_reqs, self.state_idx,
+                            self.src_col, self.token_bias, self.idx_mapping)
+        self.pending.discard(layer_name)
+        self.launched += 1
+        return True

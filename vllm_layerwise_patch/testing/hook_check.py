@@ -1,0 +1,127 @@
+"""Check a layer-hook patch's wrappers against vLLM's real connector state and
+forward context, without running a model (used by self-checks and tests).
+
+A :class:`RecordingConnector` (a real ``KVConnectorBase_V1`` subclass, built
+without a vLLM config) is installed as the process's KV transfer group for the
+duration of the check; a ``ForwardContext`` with attention metadata is set;
+each wrapped method's wrapper is then called with a stand-in body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+
+def recording_connector_class():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    class RecordingConnector(KVConnectorBase_V1):
+        """Records every per-layer hook call into ``events``."""
+
+        def __init__(self, has_metadata: bool = True) -> None:  # no vLLM config needed
+            self.events: list[tuple[str, str]] = []
+            self._has_md = has_metadata
+
+        def has_connector_metadata(self) -> bool:
+            return self._has_md
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            self.events.append(("wait", layer_name))
+
+        def on_layer_compute_start(self, layer_name: str) -> None:
+            self.events.append(("fence", layer_name))
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+            self.events.append(("save", layer_name))
+
+        # abstract methods this check never reaches
+        def start_load_kv(self, forward_context, **kwargs):
+            raise NotImplementedError
+
+        def wait_for_save(self):
+            raise NotImplementedError
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            raise NotImplementedError
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            raise NotImplementedError
+
+        def build_connector_meta(self, scheduler_output):
+            raise NotImplementedError
+
+    return RecordingConnector
+
+
+@contextlib.contextmanager
+def installed_connector(connector: Any, attn_metadata: Any) -> Iterator[None]:
+    """Make ``connector`` the active transfer group and set a forward context."""
+    from vllm.distributed.kv_transfer import kv_transfer_state as kts
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    saved = kts._KV_CONNECTOR_AGENT
+    kts._KV_CONNECTOR_AGENT = connector
+    fc = ForwardContext(no_compile_layers={}, attn_metadata=attn_metadata, slot_mapping={})
+    try:
+        with override_forward_context(fc):
+            yield
+    finally:
+        kts._KV_CONNECTOR_AGENT = saved
+
+
+def check_layer_hooks(cls_path: str, methods: list[str],
+                      nested: tuple[str, str] | None = None) -> str:
+    """Assert the hook protocol of the wrapped ``methods`` of ``cls_path``."""
+    from ..registry import patch_marker
+
+    module, _, qualname = cls_path.partition(":")
+    cls: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    layer = types.SimpleNamespace(prefix="model.layers.0.linear_attn", kv_cache=["conv", "ssm"])
+    name = layer.prefix
+    rec_cls = recording_connector_class()
+
+    def wrapper_of(method: str):
+        w = vars(cls)[method]
+        assert patch_marker(w) is not None, f"{qualname}.{method} is not wrapped"
+        return w._self_wrapper
+
+    for method in methods:
+        rec = rec_cls()
+        body_ran: list[bool] = []
+
+        def body():
+            body_ran.append(True)
+            rec.events.append(("body", name))
+            return "result"
+
+        with installed_connector(rec, {name: None}):  # idle layer: metadata None
+            out = wrapper_of(method)(lambda: body(), layer, (), {})
+        assert out == "result" and body_ran, f"{method}: body not run"
+        expected = [("wait", name), ("fence", name), ("body", name), ("save", name)]
+        assert rec.events == expected, f"{method}: hook order {rec.events}"
+        # no connector metadata (profile / warm-up run): no hook at all
+        rec = rec_cls(has_metadata=False)
+        with installed_connector(rec, {name: None}):
+            wrapper_of(method)(lambda: "r", layer, (), {})
+        assert rec.events == [], f"{method}: hooks ran without connector metadata"
+        # no attention metadata: no hook at all
+        rec = rec_cls()
+        with installed_connector(rec, None):
+            wrapper_of(method)(lambda: "r", layer, (), {})
+        assert rec.events == [], f"{method}: hooks ran without attention metadata"
+    if nested is not None:
+        outer, inner = nested
+        rec = rec_cls()
+        with installed_connector(rec, {name: None}):
+            wrapper_of(outer)(lambda: wrapper_of(inner)(lambda: "r", layer, (), {}),
+                              layer, (), {})
+        assert [e for e, _ in rec.events] == ["wait", "fence", "save"], (
+            f"nested {outer} -> {inner}: {rec.events}")
+    return (f"{', '.join(methods)}: wait, fence, body, save in order; none without "
+            "metadata" + ("; nested entry points hook once" if nested else ""))
