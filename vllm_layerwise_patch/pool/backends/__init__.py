@@ -1,0 +1,1 @@
+"""Pool storage backends behind one small interface (:class:`base.Backend`)."""

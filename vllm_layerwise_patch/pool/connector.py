@@ -1,0 +1,134 @@
+"""LayerwisePoolConnector: a layerwise, hybrid-capable (SupportsHMA) KV
+connector backed by an external pool.  This file is the facade; the
+scheduler side lives in ``scheduler.py``, the worker side in ``worker.py``.
+
+    --kv-transfer-config '{"kv_connector": "LayerwisePoolConnector",
+      "kv_connector_module_path": "vllm_layerwise_patch.pool",
+      "kv_role": "kv_both",
+      "kv_connector_extra_config": {"path": "/dev/shm/pool", "capacity": "8GiB"}}'
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from .config import PoolConfig, PoolConfigError
+from .keys import namespace
+
+logger = logging.getLogger("vllm.layerwise_patch")
+
+
+def _check_engine_config(vllm_config: Any) -> None:
+    cc = vllm_config.cache_config
+    mc = vllm_config.model_config
+    hybrid = bool(getattr(mc, "is_hybrid", False))
+    if hybrid and not cc.enable_prefix_caching:
+        raise PoolConfigError(
+            "LayerwisePoolConnector: a hybrid model needs --enable-prefix-caching "
+            "(mamba_cache_mode 'align' keeps the boundary states the pool stores)")
+    if hybrid and getattr(cc, "mamba_cache_mode", None) != "align":
+        raise PoolConfigError(
+            f"LayerwisePoolConnector: mamba_cache_mode is {cc.mamba_cache_mode!r}; "
+            "the pool needs 'align'")
+
+
+class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.pool_config = PoolConfig.from_extra(extra)
+        _check_engine_config(vllm_config)
+        if kv_cache_config is None:
+            raise PoolConfigError("LayerwisePoolConnector needs vLLM's kv_cache_config")
+        self.ns = namespace(vllm_config, kv_cache_config, self.pool_config.namespace_salt)
+        self.backend = self.pool_config.make_backend()
+        self._sched = self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from .scheduler import PoolScheduler
+
+            self._sched = PoolScheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                                        backend=self.backend, namespace=self.ns,
+                                        config=self.pool_config)
+        else:
+            from .worker import PoolWorker
+
+            self._worker = PoolWorker(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                                      backend=self.backend, namespace=self.ns,
+                                      config=self.pool_config)
+        logger.info("vllm-layerwise-patch pool (%s): %s at %s, namespace %s",
+                    role.name.lower(), self.pool_config.backend, self.pool_config.path,
+                    self.ns.hex())
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # per-layer hooks are skipped under FULL cudagraphs
+
+    # -- layerwise mamba copy protocol (worker) -------------------------------
+    @property
+    def requires_mamba_state_copy_after_layer_load(self) -> bool:
+        return bool(self._worker is not None and self._worker.layerwise)
+
+    def prepare_mamba_state_copy(self, model_state: Any) -> bool:
+        return self._worker.prepare_mamba_state_copy(model_state) if self._worker else False
+
+    def finish_mamba_state_copy(self) -> None:
+        if self._worker is not None:
+            self._worker.finish_mamba_state_copy()
+
+    # -- worker side ------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.begin_step(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._worker.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(layer_name)
+
+    def on_layer_compute_start(self, layer_name: str) -> None:
+        pass  # CPU/host loads need no device fence; kept for the hook protocol
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        self.backend.close()
+
+    # -- scheduler side ---------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        self._sched.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        self._sched.request_finished(request)
+        return False, None

@@ -1,0 +1,214 @@
+"""Worker side of the pool connector: raw-page layout, per-layer loads and
+saves, the mamba copy protocol.
+
+Two modes, chosen once per process and logged once:
+
+* **layerwise** (the overlay's ``deferred-mamba-precopy`` and
+  ``gdn-layer-hooks`` are applied here): loads start when the step's metadata
+  is bound and are waited for layer by layer from ``wait_for_layer_load``,
+  which then launches that layer's deferred mamba pre-copy; pages are copied
+  out in ``save_kv_layer`` as each layer finishes;
+* **bulk** (patches off or unverified): everything is loaded in
+  ``start_load_kv`` before the forward, the boundary state also into this
+  step's running column (vLLM's pre-copy has already run from the not yet
+  loaded column, so the running column is written directly); pages are saved
+  after the forward in ``wait_for_save``.  Correct, without overlap.
+
+Pages and their commit markers are written in one backend transaction at the
+end of the step; a block whose layers were not all saved gets no marker, so
+lookups never see it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..copy_protocol import COPY_FOR_LAYER
+from .backends.base import pack
+from .keys import ATTN, MAMBA, group_kinds, layer_index, marker_key, page_key
+from .pipeline import LayerwisePipeline, LoadItem, page_bytes
+from .scheduler import PoolMetadata
+
+logger = logging.getLogger("vllm.layerwise_patch")
+
+LAYERWISE_PATCHES = ("deferred-mamba-precopy", "gdn-layer-hooks")
+
+
+def layerwise_patches_applied() -> tuple[bool, str]:
+    try:
+        from ..activation import registry
+
+        reg = registry()
+        missing = [p for p in LAYERWISE_PATCHES if not reg.is_applied(p)]
+    except Exception as exc:  # pragma: no cover - defensive
+        return False, f"overlay registry unavailable ({exc})"
+    if missing:
+        return False, "overlay patch(es) not applied in this process: " + ", ".join(missing)
+    return True, "overlay patches applied"
+
+
+class PoolWorker:
+    def __init__(self, *, vllm_config: Any, kv_cache_config: Any, backend: Any,
+                 namespace: bytes, config: Any) -> None:
+        self.backend = backend
+        self.ns = namespace
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.tp_rank = get_tensor_model_parallel_rank()
+        except Exception:
+            self.tp_rank = 0
+        kinds = group_kinds(kv_cache_config)
+        self.layer_group: dict[str, int] = {}
+        self.layer_kind: dict[str, str] = {}
+        for g, (kind, group) in enumerate(zip(kinds, kv_cache_config.kv_cache_groups)):
+            for name in group.layer_names:
+                self.layer_group[name] = g
+                self.layer_kind[name] = kind
+        self.caches: dict[str, torch.Tensor] = {}
+        self.order: list[str] = []
+        self.layerwise = False
+        self.pipeline: LayerwisePipeline | None = None
+        self._meta: PoolMetadata | None = None
+        self._model_state: Any = None
+        self._pending_puts: list[tuple[bytes, bytes]] = []
+        self._saved_layers: set[str] = set()
+        self.stats = {"bytes_loaded": 0, "bytes_saved": 0, "load_wait_s": 0.0,
+                      "blocks_saved": 0}
+
+    # -- layout ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.caches = {n: t for n, t in kv_caches.items() if n in self.layer_group}
+        self.order = sorted(self.caches, key=lambda n: (layer_index(n, 0), n))
+        for name in self.order:  # fail at startup, not mid-request
+            page = self.caches[name][0]
+            if not page.is_contiguous():
+                raise ValueError(f"layer {name}: a page is not contiguous "
+                                 f"(shape {tuple(page.shape)}, stride {page.stride()})")
+        self.layerwise, why = layerwise_patches_applied()
+        if self.layerwise:
+            logger.info("vllm-layerwise-patch pool: layerwise loads and saves (%s)", why)
+        else:
+            logger.warning(
+                "vllm-layerwise-patch pool: %s; using the bulk path (all pages "
+                "loaded before the forward, boundary state also written to the "
+                "running column): correct, without layer overlap", why)
+        self.pipeline = LayerwisePipeline(self.order, self.backend, self.ns,
+                                          prefetch=self.config.prefetch_layers,
+                                          threads=self.config.load_threads)
+
+    def page(self, layer: str, block_id: int) -> torch.Tensor:
+        """The bytes of one (layer, block) page: the raw per-layer allocation V2
+        hands over is a page array (attention K/V, or conv then ssm state)."""
+        return self.caches[layer][block_id].reshape(-1).view(torch.uint8)
+
+    # -- loads -----------------------------------------------------------------
+    def _load_tasks(self, meta: PoolMetadata, bulk: bool) -> dict[str, list[LoadItem]]:
+        tasks: dict[str, list[LoadItem]] = {}
+        for spec in meta.loads:
+            for layer in self.order:
+                g, kind = self.layer_group[layer], self.layer_kind[layer]
+                idx = layer_index(layer, 0)
+                items = tasks.setdefault(layer, [])
+                if kind == ATTN:
+                    for h, bid in zip(spec.hashes, spec.attn_blocks.get(g, [])):
+                        items.append((page_key(self.ns, ATTN, h, self.tp_rank, idx),
+                                      [self.page(layer, bid)]))
+                elif g in spec.mamba_blocks and not self.config.debug_skip_mamba_load:
+                    dests = [self.page(layer, spec.mamba_blocks[g])]
+                    running = spec.running_blocks.get(g)
+                    if bulk and running is not None and running != spec.mamba_blocks[g]:
+                        dests.append(self.page(layer, running))
+                    items.append((page_key(self.ns, MAMBA, spec.hashes[-1], self.tp_rank, idx),
+                                  dests))
+        return tasks
+
+    def begin_step(self, meta: PoolMetadata) -> None:
+        self._meta = meta
+        self._pending_puts = []
+        self._saved_layers = set()
+        if self.layerwise and meta.loads:
+            self.pipeline.start(self._load_tasks(meta, bulk=False))
+
+    def start_load_kv(self) -> None:
+        if self._meta is not None and not self.layerwise and self._meta.loads:
+            self.pipeline.load_all(self._load_tasks(self._meta, bulk=True))
+
+    def wait_for_layer_load(self, layer: str) -> None:
+        if not self.layerwise:
+            return
+        self.pipeline.wait(layer)
+        if self._model_state is not None:
+            getattr(self._model_state, COPY_FOR_LAYER)(layer)
+
+    # -- copy protocol ---------------------------------------------------------
+    def prepare_mamba_state_copy(self, model_state: Any) -> bool:
+        if not self.layerwise:
+            return False
+        self._model_state = model_state
+        return True
+
+    def finish_mamba_state_copy(self) -> None:
+        self._model_state = None
+
+    # -- saves -----------------------------------------------------------------
+    def _save_items(self, layer: str) -> list[tuple[bytes, bytes]]:
+        meta = self._meta
+        if meta is None or not meta.saves:
+            return []
+        g, kind = self.layer_group[layer], self.layer_kind[layer]
+        idx = layer_index(layer, 0)
+        out = []
+        for spec in meta.saves:
+            for h, ids in (spec.attn if kind == ATTN else spec.mamba):
+                if g in ids:
+                    data = page_bytes(self.page(layer, ids[g]))
+                    out.append((page_key(self.ns, kind, h, self.tp_rank, idx),
+                                pack(self.ns, data)))
+        return out
+
+    def save_kv_layer(self, layer: str) -> None:
+        if not self.layerwise or layer not in self.layer_group:
+            return
+        self._pending_puts.extend(self._save_items(layer))
+        self._saved_layers.add(layer)
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        if meta is None:
+            return
+        if self.layerwise:
+            self.pipeline.drain()
+        else:
+            for layer in self.order:
+                self._pending_puts.extend(self._save_items(layer))
+            self._saved_layers = set(self.order)
+        if meta.saves:
+            markers = []
+            for kind, blocks in ((ATTN, [b for s in meta.saves for b in s.attn]),
+                                 (MAMBA, [b for s in meta.saves for b in s.mamba])):
+                layers = [n for n in self.order if self.layer_kind[n] == kind]
+                if not blocks or not all(n in self._saved_layers for n in layers):
+                    continue  # incomplete: no marker, lookups never see it
+                markers += [(marker_key(self.ns, kind, h, self.tp_rank), pack(self.ns, b""))
+                            for h, _ in blocks]
+                self.stats["blocks_saved"] += len(blocks)
+            items = self._pending_puts + markers
+            self.backend.put_many(items)
+            self.stats["bytes_saved"] += sum(len(v) for _, v in self._pending_puts)
+        self._pending_puts = []
+        if self.pipeline is not None:
+            self.stats["bytes_loaded"] = self.pipeline.bytes_loaded
+            self.stats["load_wait_s"] = self.pipeline.wait_seconds
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
