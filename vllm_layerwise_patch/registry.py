@@ -284,8 +284,18 @@ def live_object(target: Target) -> Any:
 
 
 def fingerprint(obj: Any) -> str:
-    """sha256 of the source of ``obj`` (decorators included)."""
-    src = inspect.getsource(obj)
+    """sha256 of the source of ``obj`` (decorators included).
+
+    A Triton kernel under ``TRITON_INTERPRET=1`` is an ``InterpretedFunction``
+    that ``inspect`` cannot read; its ``fn`` is the decorated Python function,
+    whose source is the same text."""
+    try:
+        src = inspect.getsource(obj)
+    except (TypeError, OSError):
+        fn = getattr(obj, "fn", None)
+        if fn is None:
+            raise
+        src = inspect.getsource(fn)
     return hashlib.sha256(src.encode()).hexdigest()
 
 

@@ -1,4 +1,6 @@
-"""One module per patch; each exports ``PATCH`` (a :class:`~..registry.Patch`).
+"""One module per patch; each exports ``PATCH`` (a :class:`~..registry.Patch`),
+or ``PATCHES`` when one behaviour needs separate patches per target module
+(a patch applies once all its target modules are imported).
 
 Importing a patch module must not import vLLM: targets are touched only when
 the registry applies the patch, from a post-import hook of the target module.
@@ -15,10 +17,15 @@ PATCH_MODULES = (
     "hybrid_block_size",
     "deferred_mamba_precopy",
     "gdn_layer_hooks",
+    "kda_layer_hooks",
+    "bytewise_precopy_kernel",
+    "multi_connector_layer_copy",
 )
 
 
 def all_patches() -> list[Patch]:
-    return [
-        importlib.import_module(f"{__name__}.{name}").PATCH for name in PATCH_MODULES
-    ]
+    out: list[Patch] = []
+    for name in PATCH_MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        out.extend(getattr(module, "PATCHES", None) or (module.PATCH,))
+    return out
