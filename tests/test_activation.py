@@ -150,3 +150,16 @@ def test_sitecustomize_dir_chains_the_users_own(tmp_path):
         env=clean_env(PYTHONPATH=f"{ours}:{user}", VLLM_LAYERWISE_PATCH="1"),
     ).stdout
     assert json.loads(out) == ["1", True]
+
+
+@pytest.mark.parametrize("value,registered", [("1", True), (None, False)])
+def test_pool_connector_registered_by_name_when_active(value, registered):
+    env = clean_env() if value is None else clean_env(VLLM_LAYERWISE_PATCH=value)
+    out = run_py(
+        """
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        print("RESULT", "LayerwisePoolConnector" in KVConnectorFactory._registry)
+        """,
+        env=env,
+    ).stdout
+    assert out.split("RESULT", 1)[1].strip() == str(registered)

@@ -120,8 +120,24 @@ def activate(selection: str | None = None) -> Registry:
                 if module not in _hooked:
                     _hooked.add(module)
                     wrapt.register_post_import_hook(_on_import, module)
+        if _FACTORY not in _hooked:
+            _hooked.add(_FACTORY)
+            wrapt.register_post_import_hook(_register_connector, _FACTORY)
     _write_report(None)
     return reg
+
+
+_FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory"
+CONNECTOR_NAME = "LayerwisePoolConnector"
+
+
+def _register_connector(module: Any) -> None:
+    """Make ``"kv_connector": "LayerwisePoolConnector"`` work without
+    ``kv_connector_module_path`` while the overlay is active."""
+    factory = module.KVConnectorFactory
+    if _active and CONNECTOR_NAME not in factory._registry:
+        factory.register_connector(CONNECTOR_NAME, "vllm_layerwise_patch.pool.connector",
+                                   CONNECTOR_NAME)
 
 
 def _imported(name: str) -> bool:

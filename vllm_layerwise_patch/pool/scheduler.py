@@ -95,19 +95,25 @@ class PoolScheduler:
                 "blocks are recomputed (further '%s' entries are not logged)",
                 err, err.kind)
 
-    def _verify(self, hashes: list[bytes], local: int, k: int) -> int:
-        """Read and check the entries a hit of ``k`` blocks would load; return
-        the number of leading blocks (>= local) whose attention pages are all
-        sound, or -1 when only the boundary state at k-1 is bad."""
-        akeys = [(i, page_key(self.ns, ATTN, hashes[i], tp, layer))
-                 for i in range(local, k) for tp in range(self.tp_size)
-                 for layer in self.layers[ATTN]]
-        mkeys = [(k - 1, page_key(self.ns, MAMBA, hashes[k - 1], tp, layer))
-                 for tp in range(self.tp_size) for layer in self.layers[MAMBA]]
-        values = self.backend.get_many([key for _, key in akeys + mkeys])
-        bad_attn = k
-        bad_state = False
-        for (i, key), value in zip(akeys + mkeys, values):
+    def _verify(self, hashes: list[bytes], local: int, run: int,
+                state_ok: list[bool]) -> tuple[list[bool], list[bool]]:
+        """Read and check every entry a hit inside blocks ``[local, run)`` could
+        load, in one batch: attention pages of each block and the boundary
+        state of each block that has a marker.  Returns per block
+        (attention sound, boundary state sound); corrupt entries are dropped
+        from the pool and logged once per kind."""
+        keys: list[tuple[int, str, bytes]] = []
+        for i in range(local, run):
+            for tp in range(self.tp_size):
+                keys += [(i, ATTN, page_key(self.ns, ATTN, hashes[i], tp, layer))
+                         for layer in self.layers[ATTN]]
+                if state_ok[i]:
+                    keys += [(i, MAMBA, page_key(self.ns, MAMBA, hashes[i], tp, layer))
+                             for layer in self.layers[MAMBA]]
+        values = self.backend.get_many([key for _, _, key in keys])
+        attn_sound = [True] * run
+        state_sound = list(state_ok)
+        for (i, kind, key), value in zip(keys, values):
             try:
                 if value is None:
                     raise CorruptEntry("missing", key, "evicted or never committed")
@@ -115,14 +121,12 @@ class PoolScheduler:
             except CorruptEntry as err:
                 if err.kind != "missing":
                     self._warn_corrupt(err)
-                    self._drop(hashes[i], ATTN if (i, key) in akeys else MAMBA, key)
-                if (i, key) in mkeys:
-                    bad_state = True
+                    self._drop(hashes[i], kind, key)
+                if kind == ATTN:
+                    attn_sound[i] = False
                 else:
-                    bad_attn = min(bad_attn, i)
-        if bad_attn < k:
-            return bad_attn
-        return -1 if bad_state else k
+                    state_sound[i] = False
+        return attn_sound, state_sound
 
     def _drop(self, block_hash: bytes, kind: str, key: bytes) -> None:
         self.backend.delete([key] + [marker_key(self.ns, kind, block_hash, tp)
@@ -139,19 +143,12 @@ class PoolScheduler:
         attn_ok = self._present(ATTN, hashes[:n])
         run = next((i for i, ok in enumerate(attn_ok) if not ok), n)
         state_ok = self._present(MAMBA, hashes[:run]) if self.layers[MAMBA] else [True] * run
+        if self.config.verify_on_lookup and run > local:
+            attn_sound, state_ok = self._verify(hashes, local, run, state_ok)
+            run = next((i for i in range(local, run) if not attn_sound[i]), run)
         k = run
-        while k > local:
-            if not state_ok[k - 1]:
-                k -= 1
-                continue
-            if not self.config.verify_on_lookup:
-                break
-            sound = self._verify(hashes, local, k)
-            if sound == k:
-                break
-            # attention block `sound` is bad: the hit can end at most there;
-            # bad boundary state: try the previous checkpoint
-            k = sound if sound >= 0 else k - 1
+        while k > local and not state_ok[k - 1]:
+            k -= 1
         if k <= local:
             return 0
         self.backend.touch(

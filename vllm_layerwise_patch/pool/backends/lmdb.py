@@ -3,8 +3,7 @@
 One LMDB environment (a directory; default under /dev/shm, so the file is
 RAM) with two databases: ``data`` (key -> header+payload) and ``atime`` (key ->
 8-byte big-endian use counter, for eviction).  Puts run in one write
-transaction (atomic).  When the map would overflow (or use passes the high
-watermark) the least recently used entries are deleted in one transaction;
+transaction (atomic).  When the map would overflow the least recently used entries are deleted in one transaction;
 LMDB reuses freed pages only after a *later* write transaction commits, so
 eviction is followed by a tiny write transaction before the insert is retried
 (shared/reference/backends.md).  Entries touched within ``pin_seconds`` are
@@ -53,14 +52,13 @@ def open_shared(path: str, capacity_bytes: int, **kw) -> "LmdbBackend":
 
 
 class LmdbBackend(Backend):
-    def __init__(self, path: str, capacity_bytes: int, *, high_watermark: float = 0.9,
-                 evict_fraction: float = 0.2, pin_seconds: float = 30.0) -> None:
+    def __init__(self, path: str, capacity_bytes: int, *,
+                 evict_fraction: float = 0.1, pin_seconds: float = 30.0) -> None:
         import lmdb
 
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.capacity = int(capacity_bytes)
-        self.high_watermark = high_watermark
         self.evict_fraction = evict_fraction
         self.pin_seconds = pin_seconds
         self.env = lmdb.open(path, map_size=self.capacity, max_dbs=2, subdir=True,
@@ -98,8 +96,8 @@ class LmdbBackend(Backend):
         if need > self.capacity // 2:
             raise ValueError(f"a batch of {need} bytes cannot fit a pool of {self.capacity}")
         with self._lock:
-            if self._used_bytes() + need > self.high_watermark * self.capacity:
-                self._evict(need)
+            # LMDB's map never shrinks (freed pages are reused), so "used" is a
+            # high-water mark: evict on MapFullError, not on a fill level.
             for attempt in range(4):
                 try:
                     self._write(items)

