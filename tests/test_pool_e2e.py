@@ -40,7 +40,8 @@ def build(spec):
         p = p + tiny_prompt(*spec["suffix"])
     return p
 
-kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640)
+kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640,
+                       disable_log_stats=False)
 if cfg.get("pool") is not None:
     kw["kv_transfer_config"] = {"kv_connector": "LayerwisePoolConnector",
         "kv_connector_module_path": "vllm_layerwise_patch.pool", "kv_role": "kv_both",
@@ -54,6 +55,7 @@ try:
         out.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
                     "logprobs": [round(next(iter(d.values())).logprob, 4)
                                  for d in o.outputs[0].logprobs]})
+    llm.llm_engine.do_log_stats()  # flush vLLM's stats log (KV Transfer metrics)
 except Exception as exc:
     error = f"{type(exc).__name__}: {exc}"
 print("RESULT " + json.dumps({"out": out, "error": error}))
@@ -127,6 +129,13 @@ def test_fresh_engine_hits_the_pool_with_identical_tokens(tiny_model_dir, work, 
     # the pool hits at least where vLLM's own prefix cache does
     assert cached[1] >= hbm[1] and cached[0] >= hbm[2]
     assert "layerwise loads and saves" in res["log"]
+    # the connector's stats reach vLLM's own stats log (one line per interval)
+    lines = [dict(kv.split("=") for kv in m.split(", "))
+             for m in re.findall(r"KV Transfer metrics: (.*)", res["log"])]
+    # PA loads 2 blocks; P then has PA's 2 blocks in HBM and loads only the 3rd
+    assert sum(int(f["External hit tokens loaded"]) for f in lines) == 3 * BLOCK
+    assert sum(float(f["Loaded (GB)"]) for f in lines) > 0
+    assert sum(float(f["Saved (GB)"]) for f in lines) > 0
 
 
 def test_negative_control_mamba_state_left_out_changes_tokens(tiny_model_dir, work,

@@ -214,9 +214,10 @@ def _scheduler(tmp_path, *, layers=((0, "a"), (1, "m")), verify=True):
     sched.backend = LmdbBackend(str(tmp_path / "p"), 64 << 20)
     sched.ns, sched.block_size, sched.tp_size = NS, 4, 1
     sched.config = PoolConfig.from_extra({"verify_on_lookup": verify})
-    sched.layers = {ATTN: [i for i, k in layers if k == "a"],
-                    MAMBA: [i for i, k in layers if k == "m"]}
+    sched.layers = {ATTN: [str(i) for i, k in layers if k == "a"],
+                    MAMBA: [str(i) for i, k in layers if k == "m"]}
     sched._warned = set()
+    sched.trim_blocks = 0
     return sched
 
 
@@ -252,6 +253,24 @@ def test_lookup_ends_at_the_last_stored_boundary_state(tmp_path):
     assert sched.lookup(req, 0) == 2
 
 
+def test_speculative_decoding_trims_the_final_block(tmp_path):
+    from vllm_layerwise_patch.pool.keys import ATTN, MAMBA
+
+    sched = _scheduler(tmp_path)
+    hashes = [bytes([i]) * 8 for i in range(4)]
+    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=4 * 4 + 1)
+    _store(sched, hashes, range(4), ATTN)
+    _store(sched, hashes, range(4), MAMBA)
+    assert sched.lookup(req, 0) == 4
+    sched.trim_blocks = 1
+    assert sched.lookup(req, 0) == 3
+    # the trimmed hit still needs the state at its own end
+    from vllm_layerwise_patch.pool.keys import marker_key
+
+    sched.backend.delete([marker_key(NS, MAMBA, hashes[2], 0)])
+    assert sched.lookup(req, 0) == 2
+
+
 def test_lookup_verification_shortens_the_hit_on_damage(tmp_path):
     from vllm_layerwise_patch.pool.keys import ATTN, MAMBA, page_key
 
@@ -261,11 +280,25 @@ def test_lookup_verification_shortens_the_hit_on_damage(tmp_path):
     _store(sched, hashes, range(4), ATTN)
     _store(sched, hashes, range(4), MAMBA)
     assert sched.lookup(req, 0) == 4
-    key = page_key(NS, MAMBA, hashes[3], 0, 1)
+    key = page_key(NS, MAMBA, hashes[3], 0, "1")
     sched.backend.put_many([(key, pack(NS, b"x" * 8)[:-3])])  # truncated state at block 3
     assert sched.lookup(req, 0) == 3
     assert sched.backend.exists_all([key]) == [False]  # dropped from the pool
-    key = page_key(NS, ATTN, hashes[1], 0, 0)
+    key = page_key(NS, ATTN, hashes[1], 0, "0")
     sched.backend.put_many([(key, pack(b"O" * 16, b"x" * 8))])  # foreign attention page
     assert sched.lookup(req, 0) == 1
     assert sched._warned == {"truncated", "foreign-namespace"}
+
+
+def test_layer_ids_keep_drafter_layers_apart():
+    from vllm_layerwise_patch.pool.keys import check_unique_ids, forward_order, layer_id
+
+    assert layer_id("model.layers.3.self_attn.attn") == "3"
+    assert layer_id("model.layers.0.linear_attn") == "0"
+    assert layer_id("mtp.layers.0.self_attn.attn") == "mtp.0"
+    assert layer_id("model.mtp.layers.1.attn") == "model.mtp.1"
+    names = ["mtp.layers.0.self_attn.attn", "model.layers.10.x", "model.layers.2.x"]
+    assert sorted(names, key=forward_order) == [names[2], names[1], names[0]]
+    check_unique_ids(["model.layers.0.self_attn.attn", "mtp.layers.0.self_attn.attn"])
+    with pytest.raises(ValueError, match="same pool key"):
+        check_unique_ids(["model.layers.0.a", "layers.0.b"])

@@ -71,6 +71,15 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         return True  # per-layer hooks are skipped under FULL cudagraphs
 
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        from .stats import PoolStats
+
+        return PoolStats(data=dict(data)) if data is not None else PoolStats()
+
+    def get_kv_connector_stats(self):
+        return self._worker.take_stats() if self._worker is not None else None
+
     # -- layerwise mamba copy protocol (worker) -------------------------------
     @property
     def requires_mamba_state_copy_after_layer_load(self) -> bool:

@@ -25,9 +25,41 @@ ATTN, MAMBA = "a", "m"
 _MARKER = {ATTN: "A", MAMBA: "M"}
 
 
-def layer_index(name: str, fallback: int) -> int:
-    m = re.search(r"layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else fallback
+_LAYER = re.compile(r"^(.*?)layers\.(\d+)\.")
+
+
+def layer_id(name: str) -> str:
+    """The layer's id in pool keys: ``"N"`` for the target model's
+    ``model.layers.N.*`` (and any ``layers.N.*`` at the top), otherwise the
+    module prefix and the number (``mtp.layers.0.*`` -> ``"mtp.0"``), so a
+    drafter layer never shares keys with a target layer.  Unnumbered layers
+    keep their full name."""
+    m = _LAYER.match(name)
+    if m is None:
+        return name
+    prefix = m.group(1).rstrip(".")
+    if prefix in ("", "model", "model.model", "language_model.model"):
+        return m.group(2)
+    return f"{prefix}.{m.group(2)}"
+
+
+def forward_order(name: str) -> tuple[int, int, str]:
+    """Sort key: target-model layers by number, then drafter and other layers
+    (which run after the target forward)."""
+    lid = layer_id(name)
+    if lid.isdigit():
+        return (0, int(lid), name)
+    m = _LAYER.match(name)
+    return (1, int(m.group(2)) if m else 0, name)
+
+
+def check_unique_ids(names: list[str]) -> None:
+    seen: dict[str, str] = {}
+    for n in names:
+        other = seen.setdefault(layer_id(n), n)
+        if other != n:
+            raise ValueError(f"layers {other!r} and {n!r} map to the same pool key "
+                             f"id {layer_id(n)!r}")
 
 
 def group_kinds(kv_cache_config: Any) -> list[str]:
@@ -82,7 +114,7 @@ def hash_hex(block_hash: Any) -> str:
     return bytes(block_hash).hex()
 
 
-def page_key(ns: bytes, kind: str, block_hash: Any, tp: int, layer: int) -> bytes:
+def page_key(ns: bytes, kind: str, block_hash: Any, tp: int, layer: str) -> bytes:
     return f"{ns.hex()}/{kind}/{hash_hex(block_hash)}/{tp}/{layer}".encode()
 
 

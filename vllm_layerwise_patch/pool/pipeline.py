@@ -62,8 +62,17 @@ class LayerwisePipeline:
         self._lock = threading.Lock()
         self.bytes_loaded = 0
         self.wait_seconds = 0.0
+        self.load_seconds = 0.0
 
     def _load_layer(self, layer: str, items: list[LoadItem]) -> int:
+        t0 = time.perf_counter()
+        try:
+            return self._load_items(items)
+        finally:
+            with self._lock:
+                self.load_seconds += time.perf_counter() - t0
+
+    def _load_items(self, items: list[LoadItem]) -> int:
         keys = [k for k, _ in items]
         values = self.backend.get_many(keys)
         moved = 0

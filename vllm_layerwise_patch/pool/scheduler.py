@@ -1,6 +1,9 @@
 """Scheduler side of the pool connector (engine-core process): hit lookup,
 load/save planning, per-step connector metadata.
 
+With speculative decoding configured (MTP/EAGLE) the final block of every
+hit is trimmed (a conservative rule until finer MTP rules exist).
+
 A hybrid hit of ``k`` blocks needs, for every TP rank, the attention pages of
 blocks ``0..k-1`` and the linear-attention state at the end of block ``k-1``
 (DESIGN §7-§8).  The lookup walks the request's block hashes while the
@@ -21,7 +24,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .backends.base import CorruptEntry, unpack
-from .keys import ATTN, MAMBA, group_kinds, layer_index, marker_key, page_key
+from .keys import ATTN, MAMBA, check_unique_ids, group_kinds, layer_id, marker_key, page_key
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -64,15 +67,19 @@ class PoolScheduler:
         self.ns = namespace
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
+        # MTP/EAGLE drafts rewrite state in the final block of a hit; until a
+        # finer rule exists, trim one block off every external hit.
+        self.trim_blocks = 1 if getattr(vllm_config, "speculative_config", None) else 0
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.kinds = group_kinds(kv_cache_config)
         self.groups = kv_cache_config.kv_cache_groups
-        self.layers = {ATTN: [], MAMBA: []}  # layer indexes per kind
-        n = 0
+        self.layers: dict[str, list[str]] = {ATTN: [], MAMBA: []}  # layer ids per kind
+        names = {ATTN: [], MAMBA: []}
         for kind, group in zip(self.kinds, self.groups):
-            for name in group.layer_names:
-                self.layers[kind].append(layer_index(name, n))
-                n += 1
+            names[kind] += list(group.layer_names)
+        for kind, layer_names in names.items():
+            check_unique_ids(layer_names)
+            self.layers[kind] = [layer_id(n) for n in layer_names]
         self.page_sizes = {kind: None for kind in (ATTN, MAMBA)}
         self._pending: dict[str, int] = {}  # req_id -> hit blocks (lookup -> alloc)
         self._loads: list[LoadSpec] = []
@@ -146,7 +153,7 @@ class PoolScheduler:
         if self.config.verify_on_lookup and run > local:
             attn_sound, state_ok = self._verify(hashes, local, run, state_ok)
             run = next((i for i in range(local, run) if not attn_sound[i]), run)
-        k = run
+        k = run - self.trim_blocks
         while k > local and not state_ok[k - 1]:
             k -= 1
         if k <= local:

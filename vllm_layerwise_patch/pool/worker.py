@@ -22,13 +22,14 @@ lookups never see it.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
 
 from ..copy_protocol import COPY_FOR_LAYER
 from .backends.base import pack
-from .keys import ATTN, MAMBA, group_kinds, layer_index, marker_key, page_key
+from .keys import ATTN, MAMBA, forward_order, group_kinds, layer_id, marker_key, page_key
 from .pipeline import LayerwisePipeline, LoadItem, page_bytes
 from .scheduler import PoolMetadata
 
@@ -70,6 +71,7 @@ class PoolWorker:
             for name in group.layer_names:
                 self.layer_group[name] = g
                 self.layer_kind[name] = kind
+        self.block_size = vllm_config.cache_config.block_size
         self.caches: dict[str, torch.Tensor] = {}
         self.order: list[str] = []
         self.layerwise = False
@@ -78,13 +80,16 @@ class PoolWorker:
         self._model_state: Any = None
         self._pending_puts: list[tuple[bytes, bytes]] = []
         self._saved_layers: set[str] = set()
-        self.stats = {"bytes_loaded": 0, "bytes_saved": 0, "load_wait_s": 0.0,
-                      "blocks_saved": 0}
+        self._save_seconds = 0.0
+        from .stats import PoolStats
+
+        self.stats = PoolStats()
+        self._reported = {"bytes_loaded": 0, "wait_seconds": 0.0, "load_seconds": 0.0}
 
     # -- layout ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.caches = {n: t for n, t in kv_caches.items() if n in self.layer_group}
-        self.order = sorted(self.caches, key=lambda n: (layer_index(n, 0), n))
+        self.order = sorted(self.caches, key=forward_order)
         for name in self.order:  # fail at startup, not mid-request
             page = self.caches[name][0]
             if not page.is_contiguous():
@@ -113,7 +118,7 @@ class PoolWorker:
         for spec in meta.loads:
             for layer in self.order:
                 g, kind = self.layer_group[layer], self.layer_kind[layer]
-                idx = layer_index(layer, 0)
+                idx = layer_id(layer)
                 items = tasks.setdefault(layer, [])
                 if kind == ATTN:
                     for h, bid in zip(spec.hashes, spec.attn_blocks.get(g, [])):
@@ -130,6 +135,10 @@ class PoolWorker:
 
     def begin_step(self, meta: PoolMetadata) -> None:
         self._meta = meta
+        self._save_seconds = 0.0
+        if meta.loads:
+            self.stats.add(hit_tokens=sum(
+                (s.end - s.start) * self.block_size for s in meta.loads))
         self._pending_puts = []
         self._saved_layers = set()
         if self.layerwise and meta.loads:
@@ -162,7 +171,7 @@ class PoolWorker:
         if meta is None or not meta.saves:
             return []
         g, kind = self.layer_group[layer], self.layer_kind[layer]
-        idx = layer_index(layer, 0)
+        idx = layer_id(layer)
         out = []
         for spec in meta.saves:
             for h, ids in (spec.attn if kind == ATTN else spec.mamba):
@@ -175,13 +184,16 @@ class PoolWorker:
     def save_kv_layer(self, layer: str) -> None:
         if not self.layerwise or layer not in self.layer_group:
             return
+        t0 = time.perf_counter()
         self._pending_puts.extend(self._save_items(layer))
+        self._save_seconds += time.perf_counter() - t0
         self._saved_layers.add(layer)
 
     def wait_for_save(self) -> None:
         meta = self._meta
         if meta is None:
             return
+        t0 = time.perf_counter()
         if self.layerwise:
             self.pipeline.drain()
         else:
@@ -197,14 +209,27 @@ class PoolWorker:
                     continue  # incomplete: no marker, lookups never see it
                 markers += [(marker_key(self.ns, kind, h, self.tp_rank), pack(self.ns, b""))
                             for h, _ in blocks]
-                self.stats["blocks_saved"] += len(blocks)
+                self.stats.add(blocks_saved=len(blocks))
             items = self._pending_puts + markers
             self.backend.put_many(items)
-            self.stats["bytes_saved"] += sum(len(v) for _, v in self._pending_puts)
+            self.stats.add(bytes_saved=sum(len(v) for _, v in self._pending_puts),
+                           save_seconds=self._save_seconds + time.perf_counter() - t0)
         self._pending_puts = []
-        if self.pipeline is not None:
-            self.stats["bytes_loaded"] = self.pipeline.bytes_loaded
-            self.stats["load_wait_s"] = self.pipeline.wait_seconds
+        if self.pipeline is not None:  # fold the pipeline's running totals in
+            p = self.pipeline
+            now = {"bytes_loaded": p.bytes_loaded, "wait_seconds": p.wait_seconds,
+                   "load_seconds": p.load_seconds}
+            self.stats.add(**{k: now[k] - self._reported[k] for k in now})
+            self._reported = now
+
+    def take_stats(self):
+        """Stats since the last call (vLLM polls once per step), or None."""
+        if self.stats.is_empty():
+            return None
+        from .stats import PoolStats
+
+        out, self.stats = self.stats, PoolStats()
+        return out
 
     def clear(self) -> None:
         self._meta = None

