@@ -104,6 +104,12 @@ class PoolConfig:
         return cls(**kw)
 
     def make_backend(self):
+        try:
+            import lmdb  # noqa: F401
+        except ImportError as exc:
+            raise PoolConfigError(
+                "kv_connector_extra_config.backend: 'lmdb' needs the lmdb package: "
+                "pip install 'vllm-layerwise-patch[pool]'") from exc
         from .backends.lmdb import open_shared
 
         return open_shared(self.path, self.capacity, pin_seconds=self.pin_seconds)
