@@ -302,3 +302,49 @@ def test_layer_ids_keep_drafter_layers_apart():
     check_unique_ids(["model.layers.0.self_attn.attn", "mtp.layers.0.self_attn.attn"])
     with pytest.raises(ValueError, match="same pool key"):
         check_unique_ids(["model.layers.0.a", "layers.0.b"])
+
+
+def test_save_queue_commits_pages_and_markers_in_one_transaction(tmp_path):
+    from vllm_layerwise_patch.pool.pipeline import SaveQueue
+
+    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
+    q = SaveQueue(be, NS)
+    pages = torch.randint(0, 256, (3, 512), dtype=torch.uint8)
+    q.submit([(b"p0", pages[0]), (b"p1", pages[1])])
+    q.submit([(b"p2", pages[2])])
+    assert be.exists_all([b"p0", b"m"]) == [False, False]  # nothing before commit
+    assert q.commit([b"m"]) is True
+    assert be.exists_all([b"p0", b"p1", b"p2", b"m"]) == [True] * 4
+    got = be.get_many([b"p2"])[0]
+    assert bytes(unpack(b"p2", got, NS)) == pages[2].numpy().tobytes()
+    assert q.bytes_saved > 3 * 512
+    q.close()
+    be.close()
+
+
+def test_save_queue_failure_is_logged_not_raised(tmp_path):
+    import logging
+
+    from vllm_layerwise_patch.pool.pipeline import SaveQueue
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("vllm.layerwise_patch")
+    log.addHandler(handler)
+
+    be = LmdbBackend(str(tmp_path / "p"), 1 << 20, pin_seconds=3600)
+    q = SaveQueue(be, NS)
+    big = torch.zeros(700_000, dtype=torch.uint8)  # more than half the pool
+    q.submit([(b"big", big)])
+    try:
+        assert q.commit([b"m"]) is False
+        q.submit([(b"big2", big)])
+        assert q.commit([]) is False
+    finally:
+        log.removeHandler(handler)
+    assert q.failures == 2
+    assert sum("a save failed" in r.getMessage() for r in records) == 1
+    assert be.exists_all([b"m"]) == [False]  # no marker without its pages
+    q.close()
+    be.close()

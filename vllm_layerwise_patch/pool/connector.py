@@ -111,7 +111,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_layer_load(layer_name)
 
     def on_layer_compute_start(self, layer_name: str) -> None:
-        pass  # CPU/host loads need no device fence; kept for the hook protocol
+        self._worker.on_layer_compute_start(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         self._worker.save_kv_layer(layer_name)

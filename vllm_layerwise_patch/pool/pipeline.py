@@ -8,13 +8,23 @@ surfaces its error, and submits the next layer so that at most ``prefetch``
 layers are in flight ahead of compute.  Every value is validated (length,
 checksum, namespace) before a byte reaches a page.
 
-Saves: :func:`page_bytes` copies a page to host bytes (device -> host on an
-accelerator: ``Tensor.to("cpu")`` orders after the compute stream's writes).
+Compute-start fence: :meth:`LayerwisePipeline.record_compute_start` records a
+device event when the compute stream reaches a layer; loads submitted after it
+synchronise on that event before writing pages, so prefetch follows the
+stream, not the host.  On CPU there is no stream and no event.
+
+Saves: :class:`SaveQueue` - ``save_kv_layer`` enqueues a layer's pages with an
+event recorded on the compute stream; a send thread waits for the event,
+copies the pages to host bytes and packs them while later layers compute;
+:meth:`SaveQueue.commit` (once per step) waits for the queue to drain and
+writes the pages and their commit markers in one transaction.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
+import queue
 import threading
 import time
 import warnings
@@ -22,7 +32,9 @@ from collections.abc import Callable
 
 import torch
 
-from .backends.base import Backend, unpack
+from .backends.base import Backend, pack, unpack
+
+logger = logging.getLogger("vllm.layerwise_patch")
 
 # torch.frombuffer warns on read-only buffers; we only read from them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -63,10 +75,13 @@ class LayerwisePipeline:
         self.bytes_loaded = 0
         self.wait_seconds = 0.0
         self.load_seconds = 0.0
+        self._gate = None  # device event: compute reached the latest layer
 
-    def _load_layer(self, layer: str, items: list[LoadItem]) -> int:
+    def _load_layer(self, layer: str, items: list[LoadItem], gate=None) -> int:
         t0 = time.perf_counter()
         try:
+            if gate is not None:
+                gate.synchronize()  # do not write ahead of the compute stream
             return self._load_items(items)
         finally:
             with self._lock:
@@ -92,11 +107,20 @@ class LayerwisePipeline:
                 self._next += 1
                 items = self._tasks.get(layer)
                 if items:
-                    self._futures[layer] = self.pool.submit(self._load_layer, layer, items)
+                    self._futures[layer] = self.pool.submit(self._load_layer, layer, items,
+                                                            self._gate)
+
+    def record_compute_start(self, device: torch.device | None) -> None:
+        """The compute stream has reached the current layer (see module doc)."""
+        if device is not None and device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._gate = ev
 
     def start(self, tasks: dict[str, list[LoadItem]]) -> None:
         """Begin a step's loads (``tasks``: layer -> items)."""
         self.drain()
+        self._gate = None
         self._tasks = {k: v for k, v in tasks.items() if v}
         self._futures = {}
         self._next = 0
@@ -148,3 +172,89 @@ class LayerwisePipeline:
 
 
 PageFn = Callable[[str, int], torch.Tensor]
+
+
+def _record_event(device: torch.device | None):
+    if device is not None and device.type == "cuda":
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+    return None
+
+
+class SaveQueue:
+    """The send thread of the save path (see module doc).  Save failures are
+    logged once and counted, never raised into the forward: a missed save
+    only costs a future hit."""
+
+    def __init__(self, backend: Backend, namespace: bytes) -> None:
+        self.backend = backend
+        self.ns = namespace
+        self._q: queue.Queue = queue.Queue()
+        self._items: list[tuple[bytes, bytes]] = []
+        self.bytes_saved = 0
+        self.seconds = 0.0
+        self.failures = 0
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, name="vlp-send", daemon=True)
+        self._thread.start()
+
+    def submit(self, pages: list[tuple[bytes, torch.Tensor]], device=None) -> None:
+        if pages:
+            self._q.put(("pages", _record_event(device), pages))
+
+    def commit(self, markers: list[bytes]) -> bool:
+        """Wait for every queued page, then write pages + ``markers`` (empty
+        values) atomically.  Returns False when the write failed."""
+        done: list = []
+        ev = threading.Event()
+        self._q.put(("commit", markers, (done, ev)))
+        ev.wait()
+        return bool(done and done[0])
+
+    def close(self) -> None:
+        self._q.put(("stop", None, None))
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                kind, a, b = self._q.get()
+                if kind == "stop":
+                    return
+                if kind == "pages":
+                    t0 = time.perf_counter()
+                    try:
+                        if a is not None:
+                            a.synchronize()
+                        for key, page in b:
+                            value = pack(self.ns, page_bytes(page))
+                            self._items.append((key, value))
+                    except Exception as exc:  # keep the thread alive
+                        self._fail(exc)
+                    self.seconds += time.perf_counter() - t0
+                    continue
+                done, ev = b
+                t0 = time.perf_counter()
+                ok = False
+                try:
+                    if self._items or a:
+                        items = self._items + [(m, pack(self.ns, b"")) for m in a]
+                        self.backend.put_many(items)
+                        self.bytes_saved += sum(len(v) for _, v in self._items)
+                    ok = True
+                except Exception as exc:
+                    self._fail(exc)
+                finally:
+                    self._items = []
+                    self.seconds += time.perf_counter() - t0
+                    done.append(ok)
+                    ev.set()
+
+    def _fail(self, exc: Exception) -> None:
+        self.failures += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning("vllm-layerwise-patch pool: a save failed (%s: %s); those "
+                           "blocks are not stored (further failures are counted, "
+                           "not logged)", type(exc).__name__, exc)

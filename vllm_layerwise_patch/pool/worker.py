@@ -14,23 +14,23 @@ Two modes, chosen once per process and logged once:
   loaded column, so the running column is written directly); pages are saved
   after the forward in ``wait_for_save``.  Correct, without overlap.
 
-Pages and their commit markers are written in one backend transaction at the
-end of the step; a block whose layers were not all saved gets no marker, so
-lookups never see it.
+Saved pages go through a send thread (``SaveQueue``) that copies them to
+host memory while later layers compute; at the end of the step
+(``wait_for_save``) the queue is drained and the pages and their commit
+markers are written in one backend transaction.  A block whose layers were
+not all saved gets no marker, so lookups never see it.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
 
 from ..copy_protocol import COPY_FOR_LAYER
-from .backends.base import pack
 from .keys import ATTN, MAMBA, forward_order, group_kinds, layer_id, marker_key, page_key
-from .pipeline import LayerwisePipeline, LoadItem, page_bytes
+from .pipeline import LayerwisePipeline, LoadItem, SaveQueue
 from .scheduler import PoolMetadata
 
 logger = logging.getLogger("vllm.layerwise_patch")
@@ -76,15 +76,16 @@ class PoolWorker:
         self.order: list[str] = []
         self.layerwise = False
         self.pipeline: LayerwisePipeline | None = None
+        self.saver: SaveQueue | None = None
+        self.device: torch.device | None = None
         self._meta: PoolMetadata | None = None
         self._model_state: Any = None
-        self._pending_puts: list[tuple[bytes, bytes]] = []
         self._saved_layers: set[str] = set()
-        self._save_seconds = 0.0
         from .stats import PoolStats
 
         self.stats = PoolStats()
-        self._reported = {"bytes_loaded": 0, "wait_seconds": 0.0, "load_seconds": 0.0}
+        self._reported = {"bytes_loaded": 0, "wait_seconds": 0.0, "load_seconds": 0.0,
+                          "bytes_saved": 0, "save_seconds": 0.0}
 
     # -- layout ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -106,6 +107,8 @@ class PoolWorker:
         self.pipeline = LayerwisePipeline(self.order, self.backend, self.ns,
                                           prefetch=self.config.prefetch_layers,
                                           threads=self.config.load_threads)
+        self.saver = SaveQueue(self.backend, self.ns)
+        self.device = next(iter(self.caches.values())).device if self.caches else None
 
     def page(self, layer: str, block_id: int) -> torch.Tensor:
         """The bytes of one (layer, block) page: the raw per-layer allocation V2
@@ -135,11 +138,9 @@ class PoolWorker:
 
     def begin_step(self, meta: PoolMetadata) -> None:
         self._meta = meta
-        self._save_seconds = 0.0
         if meta.loads:
             self.stats.add(hit_tokens=sum(
                 (s.end - s.start) * self.block_size for s in meta.loads))
-        self._pending_puts = []
         self._saved_layers = set()
         if self.layerwise and meta.loads:
             self.pipeline.start(self._load_tasks(meta, bulk=False))
@@ -154,6 +155,13 @@ class PoolWorker:
         self.pipeline.wait(layer)
         if self._model_state is not None:
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
+        # attention layers get no separate fence call from vLLM: their compute
+        # starts right after this wait
+        self.pipeline.record_compute_start(self.device)
+
+    def on_layer_compute_start(self, layer: str) -> None:
+        if self.layerwise:
+            self.pipeline.record_compute_start(self.device)
 
     # -- copy protocol ---------------------------------------------------------
     def prepare_mamba_state_copy(self, model_state: Any) -> bool:
@@ -166,59 +174,50 @@ class PoolWorker:
         self._model_state = None
 
     # -- saves -----------------------------------------------------------------
-    def _save_items(self, layer: str) -> list[tuple[bytes, bytes]]:
+    def _save_pages(self, layer: str) -> list[tuple[bytes, torch.Tensor]]:
         meta = self._meta
         if meta is None or not meta.saves:
             return []
         g, kind = self.layer_group[layer], self.layer_kind[layer]
         idx = layer_id(layer)
-        out = []
-        for spec in meta.saves:
-            for h, ids in (spec.attn if kind == ATTN else spec.mamba):
-                if g in ids:
-                    data = page_bytes(self.page(layer, ids[g]))
-                    out.append((page_key(self.ns, kind, h, self.tp_rank, idx),
-                                pack(self.ns, data)))
-        return out
+        return [(page_key(self.ns, kind, h, self.tp_rank, idx), self.page(layer, ids[g]))
+                for spec in meta.saves
+                for h, ids in (spec.attn if kind == ATTN else spec.mamba) if g in ids]
 
     def save_kv_layer(self, layer: str) -> None:
         if not self.layerwise or layer not in self.layer_group:
             return
-        t0 = time.perf_counter()
-        self._pending_puts.extend(self._save_items(layer))
-        self._save_seconds += time.perf_counter() - t0
+        # the send thread copies the pages once the compute stream wrote them
+        self.saver.submit(self._save_pages(layer), self.device)
         self._saved_layers.add(layer)
 
     def wait_for_save(self) -> None:
         meta = self._meta
         if meta is None:
             return
-        t0 = time.perf_counter()
         if self.layerwise:
             self.pipeline.drain()
         else:
             for layer in self.order:
-                self._pending_puts.extend(self._save_items(layer))
+                self.saver.submit(self._save_pages(layer), self.device)
             self._saved_layers = set(self.order)
         if meta.saves:
-            markers = []
+            markers, blocks_saved = [], 0
             for kind, blocks in ((ATTN, [b for s in meta.saves for b in s.attn]),
                                  (MAMBA, [b for s in meta.saves for b in s.mamba])):
                 layers = [n for n in self.order if self.layer_kind[n] == kind]
                 if not blocks or not all(n in self._saved_layers for n in layers):
                     continue  # incomplete: no marker, lookups never see it
-                markers += [(marker_key(self.ns, kind, h, self.tp_rank), pack(self.ns, b""))
-                            for h, _ in blocks]
-                self.stats.add(blocks_saved=len(blocks))
-            items = self._pending_puts + markers
-            self.backend.put_many(items)
-            self.stats.add(bytes_saved=sum(len(v) for _, v in self._pending_puts),
-                           save_seconds=self._save_seconds + time.perf_counter() - t0)
-        self._pending_puts = []
-        if self.pipeline is not None:  # fold the pipeline's running totals in
-            p = self.pipeline
+                markers += [marker_key(self.ns, kind, h, self.tp_rank) for h, _ in blocks]
+                blocks_saved += len(blocks)
+            # final-layer drain: every queued page is written with its markers
+            if self.saver.commit(markers):
+                self.stats.add(blocks_saved=blocks_saved)
+        if self.pipeline is not None:  # fold running totals in
+            p, q = self.pipeline, self.saver
             now = {"bytes_loaded": p.bytes_loaded, "wait_seconds": p.wait_seconds,
-                   "load_seconds": p.load_seconds}
+                   "load_seconds": p.load_seconds, "bytes_saved": q.bytes_saved,
+                   "save_seconds": q.seconds}
             self.stats.add(**{k: now[k] - self._reported[k] for k in now})
             self._reported = now
 
@@ -237,3 +236,5 @@ class PoolWorker:
     def close(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
+        if self.saver is not None:
+            self.saver.close()
