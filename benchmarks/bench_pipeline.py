@@ -29,7 +29,7 @@ def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, thread
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     path = tempfile.mkdtemp(prefix="vlp-bench-", dir=shm)
     total = layers * blocks * page
-    be = LmdbBackend(path, max(total * 4, 64 << 20))
+    be = LmdbBackend(path, max(total * (repeats + 2), 64 << 20), pin_seconds=0)
     caches = {f"model.layers.{i}.x": torch.randint(0, 256, (blocks, page), dtype=torch.uint8)
               for i in range(layers)}
     order = list(caches)

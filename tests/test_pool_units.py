@@ -143,6 +143,11 @@ class CountingBackend:
         self.release = threading.Event()
         self.lock = threading.Lock()
 
+    def read_many(self, keys, consume):
+        from vllm_layerwise_patch.pool.backends.base import Backend
+
+        Backend.read_many(self, keys, consume)  # the generic path, via get_many
+
     def get_many(self, keys):
         layer = self.key_layer[keys[0]]
         with self.lock:

@@ -88,17 +88,19 @@ class LayerwisePipeline:
                 self.load_seconds += time.perf_counter() - t0
 
     def _load_items(self, items: list[LoadItem]) -> int:
-        keys = [k for k, _ in items]
-        values = self.backend.get_many(keys)
-        moved = 0
-        for (key, dests), value in zip(items, values):
+        moved = [0]
+
+        def consume(i: int, key: bytes, value) -> None:
+            dests = items[i][1]
             if value is None:
                 raise LoadError(f"pool entry {key!r} vanished between lookup and load")
             payload = unpack(key, value, self.ns, expected_length=dests[0].numel())
             for dest in dests:
                 fill_page(dest, payload)
-                moved += dest.numel()
-        return moved
+                moved[0] += dest.numel()
+
+        self.backend.read_many([k for k, _ in items], consume)
+        return moved[0]
 
     def _submit_until(self, limit: int) -> None:
         with self._lock:

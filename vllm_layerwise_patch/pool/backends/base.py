@@ -72,6 +72,12 @@ class Backend(abc.ABC):
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         """Values (with header) or None when absent."""
 
+    def read_many(self, keys: list[bytes], consume) -> None:
+        """Call ``consume(index, key, value_or_None)`` for each key.  A backend
+        may pass zero-copy views that are valid only during the call."""
+        for i, (k, v) in enumerate(zip(keys, self.get_many(keys))):
+            consume(i, k, v)
+
     @abc.abstractmethod
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         """Store all items atomically (readers see all or none)."""

@@ -91,6 +91,12 @@ class LmdbBackend(Backend):
         with self.env.begin(db=self.data) as txn:
             return [txn.get(k) for k in keys]
 
+    def read_many(self, keys: list[bytes], consume) -> None:
+        # zero-copy: values are views into the map, valid inside this txn
+        with self.env.begin(db=self.data, buffers=True) as txn:
+            for i, k in enumerate(keys):
+                consume(i, k, txn.get(k))
+
     # -- writes ----------------------------------------------------------------
     def _used_bytes(self) -> int:
         info, stat = self.env.info(), self.env.stat()
