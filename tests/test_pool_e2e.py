@@ -46,6 +46,8 @@ if cfg.get("pool") is not None:
     kw["kv_transfer_config"] = {"kv_connector": "LayerwisePoolConnector",
         "kv_connector_module_path": "vllm_layerwise_patch.pool", "kv_role": "kv_both",
         "kv_connector_extra_config": cfg["pool"]}
+    if cfg.get("policy"):
+        kw["kv_transfer_config"]["kv_load_failure_policy"] = cfg["policy"]
 error, out = None, []
 try:
     llm = LLM(model=cfg["model"], **kw)
@@ -62,8 +64,8 @@ print("RESULT " + json.dumps({"out": out, "error": error}))
 """
 
 
-def engine(model_dir, cwd, prompts, pool=None, patches="1"):
-    cfg = {"model": str(model_dir), "pool": pool, "prompts": prompts}
+def engine(model_dir, cwd, prompts, pool=None, patches="1", policy=None):
+    cfg = {"model": str(model_dir), "pool": pool, "prompts": prompts, "policy": policy}
     env = clean_env(VLLM_LAYERWISE_PATCH=patches, VLLM_LAYERWISE_PATCH_CPU_V2="1",
                     VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = run_py(DRIVER.replace("sys.argv[1]", repr(json.dumps(cfg))), env=env,
@@ -221,3 +223,15 @@ def test_invalid_config_is_a_startup_error_naming_the_field(tiny_model_dir, work
     res = engine(tiny_model_dir, work, [PB], pool=dict({"path": str(work / "bad")}, **extra))
     assert res["error"] is not None
     assert field in res["error"] and "kv_connector_extra_config" in res["error"]
+
+
+def test_failed_load_in_the_worker_stops_and_serves_no_tokens(tiny_model_dir, work, pool_a):
+    # The lookup found P, then a layer's load fails mid-forward (an entry
+    # removed after the lookup): vLLM 0.32 refuses block load errors for
+    # hybrid layouts, so the worker raises - the request gets no tokens,
+    # never tokens from a wrong state.  (Recompute here needs vLLM support.)
+    for patches in ("1", "0"):  # layerwise and bulk paths
+        pool = dict(pool_a, debug_fail_load_layer="model.layers.1.linear_attn")
+        res = engine(tiny_model_dir, work, [P], pool=pool, patches=patches)
+        assert res["error"] is not None and not res["out"], patches
+        assert "debug-missing" in res["log"], patches

@@ -49,10 +49,12 @@ class PoolConfig:
     namespace_salt: str = ""
     # debug only: leave mamba state pages out of loads (negative-control tests)
     debug_skip_mamba_load: bool = False
+    # debug only: the first load of this layer fails (load-failure tests)
+    debug_fail_load_layer: str = ""
 
     FIELDS = ("backend", "path", "capacity", "prefetch_layers", "load_threads",
               "pin_seconds", "verify_on_lookup", "namespace_salt",
-              "debug_skip_mamba_load")
+              "debug_skip_mamba_load", "debug_fail_load_layer")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> PoolConfig:
@@ -96,6 +98,11 @@ class PoolConfig:
                     raise PoolConfigError(
                         f"kv_connector_extra_config.{name}: expected true/false, got {extra[name]!r}")
                 kw[name] = extra[name]
+        if "debug_fail_load_layer" in extra:
+            if not isinstance(extra["debug_fail_load_layer"], str):
+                raise PoolConfigError(
+                    "kv_connector_extra_config.debug_fail_load_layer: expected a layer name")
+            kw["debug_fail_load_layer"] = extra["debug_fail_load_layer"]
         if "namespace_salt" in extra:
             if not isinstance(extra["namespace_salt"], str):
                 raise PoolConfigError(

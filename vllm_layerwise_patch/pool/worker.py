@@ -143,15 +143,26 @@ class PoolWorker:
                 (s.end - s.start) * self.block_size for s in meta.loads))
         self._saved_layers = set()
         if self.layerwise and meta.loads:
-            self.pipeline.start(self._load_tasks(meta, bulk=False))
+            self.pipeline.start(self._debug_fail(self._load_tasks(meta, bulk=False)))
 
     def start_load_kv(self) -> None:
         if self._meta is not None and not self.layerwise and self._meta.loads:
-            self.pipeline.load_all(self._load_tasks(self._meta, bulk=True))
+            self.pipeline.load_all(self._debug_fail(self._load_tasks(self._meta, bulk=True)))
+
+    def _debug_fail(self, tasks: dict[str, list[LoadItem]]) -> dict[str, list[LoadItem]]:
+        """debug_fail_load_layer (tests): that layer's loads fail, as a pool
+        entry removed between lookup and load would."""
+        layer = self.config.debug_fail_load_layer
+        if layer and layer in tasks:
+            tasks[layer] = [(b"\0debug-missing/" + k, d) for k, d in tasks[layer]]
+        return tasks
 
     def wait_for_layer_load(self, layer: str) -> None:
         if not self.layerwise:
             return
+        # A load that fails here (entry removed or damaged after the lookup
+        # verified it) raises: vLLM 0.32 cannot take block load errors for
+        # hybrid layouts, and the forward must not run on a wrong state.
         self.pipeline.wait(layer)
         if self._model_state is not None:
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
