@@ -25,7 +25,8 @@ from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline, page_bytes
 NS = b"B" * 16
 
 
-def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, threads: int) -> dict:
+def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, threads: int,
+        check_crc: bool) -> dict:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     path = tempfile.mkdtemp(prefix="vlp-bench-", dir=shm)
     total = layers * blocks * page
@@ -44,7 +45,8 @@ def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, thread
     # load path: LayerwisePipeline into fresh pages, all layers
     dest = {n: torch.zeros_like(t) for n, t in caches.items()}
     load_s = []
-    pipe = LayerwisePipeline(order, be, NS, prefetch=prefetch, threads=threads)
+    pipe = LayerwisePipeline(order, be, NS, prefetch=prefetch, threads=threads,
+                             check_crc=check_crc)
     for r in range(repeats):
         tasks = {n: [(f"{r}/{n}/{b}".encode(), [dest[n][b]]) for b in range(blocks)]
                  for n in order}
@@ -67,6 +69,7 @@ def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, thread
     return {
         "bytes_per_pass": total, "layers": layers, "blocks": blocks, "page_bytes": page,
         "repeats": repeats, "prefetch": prefetch, "threads": threads,
+        "load_checks_crc": check_crc,
         "median_seconds": med,
         "GB_per_s": {k: round(gb / v, 3) for k, v in med.items()},
         "ratio_to_memcpy": {k: round(med["memcpy"] / med[k], 3) for k in ("save", "load")},
@@ -84,7 +87,9 @@ def main() -> None:
         (4, 16, 163840),
         (8, 16, 2 << 20),
     ]
-    results = [run(l, b, p, args.repeats, prefetch=2, threads=2) for l, b, p in cases]
+    # the worker skips the checksum when the lookup verified it (the default)
+    results = [run(l, b, p, args.repeats, prefetch=2, threads=2, check_crc=crc)
+               for l, b, p in cases for crc in (False, True)]
     doc = {"benchmark": "pool transfer path (LayerwisePipeline + LMDB) vs memcpy",
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "torch": torch.__version__},
@@ -93,7 +98,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
     for r in results:
-        print(f"{r['layers']} layers x {r['blocks']} blocks x {r['page_bytes']} B: "
+        print(f"{r['layers']} layers x {r['blocks']} blocks x {r['page_bytes']} B "
+              f"(load crc {'on' if r['load_checks_crc'] else 'off'}): "
               f"save {r['GB_per_s']['save']} GB/s, load {r['GB_per_s']['load']} GB/s, "
               f"memcpy {r['GB_per_s']['memcpy']} GB/s "
               f"(save {r['ratio_to_memcpy']['save']:.2f}x, load "

@@ -41,6 +41,13 @@ def test_pack_unpack_roundtrip_and_each_corruption_kind():
         assert e.value.kind == kind
     with pytest.raises(CorruptEntry, match="truncated"):
         unpack(b"k", v[:10], NS)
+    # without the checksum (the worker, after a verified lookup) the header,
+    # namespace and length are still checked; a flipped payload byte is not
+    assert bytes(unpack(b"k", cases["checksum"], NS, check_crc=False)) != payload
+    for kind in ("truncated", "foreign-namespace", "bad-header"):
+        with pytest.raises(CorruptEntry) as e:
+            unpack(b"k", cases[kind], NS, check_crc=False)
+        assert e.value.kind == kind
     with pytest.raises(CorruptEntry, match="page is"):
         unpack(b"k", v, NS, expected_length=len(payload) + 1)
 

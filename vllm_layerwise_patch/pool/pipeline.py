@@ -61,12 +61,13 @@ LoadItem = tuple[bytes, list[torch.Tensor]]  # key -> every page it fills
 
 class LayerwisePipeline:
     def __init__(self, order: list[str], backend: Backend, namespace: bytes, *,
-                 prefetch: int = 2, threads: int = 2) -> None:
+                 prefetch: int = 2, threads: int = 2, check_crc: bool = True) -> None:
         self.order = list(order)
         self.pos = {name: i for i, name in enumerate(self.order)}
         self.backend = backend
         self.ns = namespace
         self.prefetch = max(1, prefetch)
+        self.check_crc = check_crc
         self.pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vlp-load")
         self._futures: dict[str, cf.Future] = {}
         self._tasks: dict[str, list[LoadItem]] = {}
@@ -94,7 +95,8 @@ class LayerwisePipeline:
             dests = items[i][1]
             if value is None:
                 raise LoadError(f"pool entry {key!r} vanished between lookup and load")
-            payload = unpack(key, value, self.ns, expected_length=dests[0].numel())
+            payload = unpack(key, value, self.ns, expected_length=dests[0].numel(),
+                             check_crc=self.check_crc)
             for dest in dests:
                 fill_page(dest, payload)
                 moved[0] += dest.numel()

@@ -106,7 +106,10 @@ class PoolWorker:
                 "running column): correct, without layer overlap", why)
         self.pipeline = LayerwisePipeline(self.order, self.backend, self.ns,
                                           prefetch=self.config.prefetch_layers,
-                                          threads=self.config.load_threads)
+                                          threads=self.config.load_threads,
+                                          # the lookup already checked every
+                                          # checksum a hit relies on
+                                          check_crc=not self.config.verify_on_lookup)
         self.saver = SaveQueue(self.backend, self.ns)
         self.device = next(iter(self.caches.values())).device if self.caches else None
 

@@ -41,8 +41,10 @@ def pack(namespace: bytes, payload: bytes | memoryview, kind: int = 0) -> bytes:
 
 
 def unpack(key: bytes, value: bytes | memoryview, namespace: bytes,
-           expected_length: int | None = None) -> memoryview:
-    """Validate ``value`` and return a view of its payload (raises CorruptEntry)."""
+           expected_length: int | None = None, check_crc: bool = True) -> memoryview:
+    """Validate ``value`` and return a view of its payload (raises CorruptEntry).
+    ``check_crc=False`` skips only the checksum (header, namespace and length
+    are always checked)."""
     view = memoryview(value)
     if view.nbytes < HEADER_SIZE:
         raise CorruptEntry("truncated", key, f"{view.nbytes} bytes, header needs {HEADER_SIZE}")
@@ -56,7 +58,7 @@ def unpack(key: bytes, value: bytes | memoryview, namespace: bytes,
         raise CorruptEntry("truncated", key, f"payload {payload.nbytes} of {length} bytes")
     if expected_length is not None and length != expected_length:
         raise CorruptEntry("truncated", key, f"payload {length} bytes, page is {expected_length}")
-    if zlib.crc32(payload) != crc:
+    if check_crc and zlib.crc32(payload) != crc:
         raise CorruptEntry("checksum", key, "crc32 mismatch")
     return payload
 
