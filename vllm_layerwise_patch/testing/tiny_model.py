@@ -213,25 +213,27 @@ def _mtp_weight_specs(cfg: dict):
 def _make_tensors(cfg: dict, seed: int) -> dict:
     import torch
 
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    out = {}
-    for name, shape, (kind, val) in _weight_specs(cfg):
-        if kind == "const":
-            t = torch.full(shape, val, dtype=torch.float32)
-        else:
-            t = torch.randn(shape, generator=gen, dtype=torch.float32) * val
-        out[name] = t.to(torch.bfloat16).contiguous()
+    out = _fill(_weight_specs(cfg), torch.Generator(device="cpu").manual_seed(seed))
     # EOS logit is exactly 0: never the greedy choice, so runs keep going.
     out["lm_head.weight"][TINY_EOS_TOKEN_ID].zero_()
     if cfg.get("num_nextn_predict_layers"):
         # own generator: the main model's tensors stay those of the mtp=False build
         gen = torch.Generator(device="cpu").manual_seed(seed + _MTP_SEED_OFFSET)
-        for name, shape, (kind, val) in _mtp_weight_specs(cfg):
-            if kind == "const":
-                t = torch.full(shape, val, dtype=torch.float32)
-            else:
-                t = torch.randn(shape, generator=gen, dtype=torch.float32) * val
-            out[name] = t.to(torch.bfloat16).contiguous()
+        out.update(_fill(_mtp_weight_specs(cfg), gen))
+    return out
+
+
+def _fill(specs, gen) -> dict:
+    """bf16 tensors for (name, shape, (kind, value)) specs, drawn in order."""
+    import torch
+
+    out = {}
+    for name, shape, (kind, val) in specs:
+        if kind == "const":
+            t = torch.full(shape, val, dtype=torch.float32)
+        else:
+            t = torch.randn(shape, generator=gen, dtype=torch.float32) * val
+        out[name] = t.to(torch.bfloat16).contiguous()
     return out
 
 
