@@ -216,6 +216,54 @@ def test_pipeline_surfaces_missing_and_corrupt_entries(tmp_path):
     be.close()
 
 
+def test_pipeline_tolerant_mode_zeroes_and_lists_failed_items(tmp_path):
+    # The mode used when the scheduler can take load errors: a failed item
+    # does not raise; its pages are zeroed (not left with stale or
+    # half-written bytes) and it is listed for the worker to report; the
+    # other items of the same layer still load.
+    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
+    caches = _pages(2, 3, 64)
+    order = list(caches)
+    good = torch.randint(1, 256, (64,), dtype=torch.uint8)
+    be.put_many([(b"good", pack(NS, good.numpy().tobytes())),
+                 (b"bad", pack(b"O" * 16, bytes(64)))])
+    for layer in order:
+        caches[layer].fill_(7)  # what a previous request left there
+    pipe = LayerwisePipeline(order, be, NS, prefetch=2)
+    pipe.start({order[0]: [(b"good", [caches[order[0]][0]]), (b"missing", [caches[order[0]][1]])],
+                order[1]: [(b"bad", [caches[order[1]][2], caches[order[1]][0]])]},
+               tolerate_errors=True)
+    for layer in order:
+        pipe.wait(layer)  # no raise
+    assert torch.equal(caches[order[0]][0], good)
+    assert caches[order[0]][1].sum() == 0
+    assert caches[order[1]][2].sum() == 0 and caches[order[1]][0].sum() == 0
+    assert caches[order[1]][1].sum() == 7 * 64  # not a destination: untouched
+    got = sorted((layer, i, type(e).__name__) for layer, i, e in pipe.failures)
+    assert got == [(order[0], 1, "LoadError"), (order[1], 0, "CorruptEntry")]
+    pipe.start({order[0]: [(b"missing", [caches[order[0]][1]])]})  # strict again
+    with pytest.raises(LoadError):
+        pipe.wait(order[0])
+    assert pipe.failures == []
+    pipe.close()
+    be.close()
+
+
+def test_save_queue_commit_leaves_out_excluded_pages(tmp_path):
+    # A request whose load failed computed on zeroed pages: its pages are
+    # excluded from the step's commit.
+    from vllm_layerwise_patch.pool.pipeline import SaveQueue
+
+    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
+    q = SaveQueue(be, NS)
+    pages = torch.randint(0, 256, (2, 64), dtype=torch.uint8)
+    q.submit([(b"keep", pages[0]), (b"drop", pages[1])])
+    assert q.commit([b"m"], exclude={b"drop"}) is True
+    assert be.exists_all([b"keep", b"drop", b"m"]) == [True, False, True]
+    q.close()
+    be.close()
+
+
 # -- scheduler lookup rules ----------------------------------------------------
 
 def _scheduler(tmp_path, *, layers=((0, "a"), (1, "m")), verify=True):

@@ -20,6 +20,7 @@ PATCH_MODULES = (
     "kda_layer_hooks",
     "bytewise_precopy_kernel",
     "multi_connector_layer_copy",
+    "hybrid_load_recompute",
 )
 
 

@@ -51,10 +51,13 @@ class PoolConfig:
     debug_skip_mamba_load: bool = False
     # debug only: the first load of this layer fails (load-failure tests)
     debug_fail_load_layer: str = ""
+    # debug only (negative control): failed loads are zeroed, not reported
+    debug_hide_load_errors: bool = False
 
     FIELDS = ("backend", "path", "capacity", "prefetch_layers", "load_threads",
               "pin_seconds", "verify_on_lookup", "namespace_salt",
-              "debug_skip_mamba_load", "debug_fail_load_layer")
+              "debug_skip_mamba_load", "debug_fail_load_layer",
+              "debug_hide_load_errors")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> PoolConfig:
@@ -92,7 +95,7 @@ class PoolConfig:
                 raise PoolConfigError(
                     f"kv_connector_extra_config.pin_seconds: expected seconds >= 0, got {v!r}")
             kw["pin_seconds"] = float(v)
-        for name in ("verify_on_lookup", "debug_skip_mamba_load"):
+        for name in ("verify_on_lookup", "debug_skip_mamba_load", "debug_hide_load_errors"):
             if name in extra:
                 if not isinstance(extra[name], bool):
                     raise PoolConfigError(

@@ -41,6 +41,11 @@ def _check_engine_config(vllm_config: Any) -> None:
 
 
 class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
+    #: Block load errors of a hybrid (several KV groups) layout may be reported
+    #: to the scheduler when the ``hybrid-load-recompute`` patch is applied
+    #: there; it maps them back to requests over every group.
+    reports_hybrid_load_errors = True
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -118,6 +123,9 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker else set()
 
     def shutdown(self) -> None:
         if self._worker is not None:

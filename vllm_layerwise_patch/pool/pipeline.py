@@ -77,29 +77,45 @@ class LayerwisePipeline:
         self.wait_seconds = 0.0
         self.load_seconds = 0.0
         self._gate = None  # device event: compute reached the latest layer
+        self._tolerate = False
+        #: (layer, item index, error) of this step's failed items (tolerant mode)
+        self.failures: list[tuple[str, int, Exception]] = []
 
     def _load_layer(self, layer: str, items: list[LoadItem], gate=None) -> int:
         t0 = time.perf_counter()
         try:
             if gate is not None:
                 gate.synchronize()  # do not write ahead of the compute stream
-            return self._load_items(items)
+            return self._load_items(layer, items)
         finally:
             with self._lock:
                 self.load_seconds += time.perf_counter() - t0
 
-    def _load_items(self, items: list[LoadItem]) -> int:
+    def _load_items(self, layer: str, items: list[LoadItem]) -> int:
         moved = [0]
+        tolerate = self._tolerate
 
         def consume(i: int, key: bytes, value) -> None:
             dests = items[i][1]
-            if value is None:
-                raise LoadError(f"pool entry {key!r} vanished between lookup and load")
-            payload = unpack(key, value, self.ns, expected_length=dests[0].numel(),
-                             check_crc=self.check_crc)
-            for dest in dests:
-                fill_page(dest, payload)
-                moved[0] += dest.numel()
+            try:
+                if value is None:
+                    raise LoadError(f"pool entry {key!r} vanished between lookup and load")
+                payload = unpack(key, value, self.ns, expected_length=dests[0].numel(),
+                                 check_crc=self.check_crc)
+                for dest in dests:
+                    fill_page(dest, payload)
+                    moved[0] += dest.numel()
+            except Exception as exc:
+                if not tolerate:
+                    raise
+                # the caller recomputes this item's request; the pages get
+                # zeros, not half-written bytes (a NaN pattern would reach
+                # this step's logits)
+                with torch.inference_mode():
+                    for dest in dests:
+                        dest.zero_()
+                with self._lock:
+                    self.failures.append((layer, i, exc))
 
         self.backend.read_many([k for k, _ in items], consume)
         return moved[0]
@@ -121,10 +137,17 @@ class LayerwisePipeline:
             ev.record()
             self._gate = ev
 
-    def start(self, tasks: dict[str, list[LoadItem]]) -> None:
-        """Begin a step's loads (``tasks``: layer -> items)."""
+    def start(self, tasks: dict[str, list[LoadItem]], *, tolerate_errors: bool = False) -> None:
+        """Begin a step's loads (``tasks``: layer -> items).
+
+        With ``tolerate_errors`` a failed item does not raise from
+        :meth:`wait`: its destination pages are zeroed and it is listed in
+        :attr:`failures` (layer, item index, error) for the caller to report;
+        otherwise the first failure raises from :meth:`wait`."""
         self.drain()
         self._gate = None
+        self._tolerate = tolerate_errors
+        self.failures = []
         self._tasks = {k: v for k, v in tasks.items() if v}
         self._futures = {}
         self._next = 0
@@ -152,9 +175,9 @@ class LayerwisePipeline:
                 self.wait_seconds += time.perf_counter() - t0
         self._submit_until(i + 1 + self.prefetch)
 
-    def load_all(self, tasks: dict[str, list[LoadItem]]) -> None:
+    def load_all(self, tasks: dict[str, list[LoadItem]], *, tolerate_errors: bool = False) -> None:
         """Synchronous load of every layer (the patch-free fallback)."""
-        self.start(tasks)
+        self.start(tasks, tolerate_errors=tolerate_errors)
         for layer in self.order:
             self.wait(layer)
         self._tasks = {}
@@ -207,12 +230,13 @@ class SaveQueue:
         if pages:
             self._q.put(("pages", _record_event(device), pages))
 
-    def commit(self, markers: list[bytes]) -> bool:
+    def commit(self, markers: list[bytes], exclude: frozenset[bytes] | set[bytes] = frozenset()) -> bool:
         """Wait for every queued page, then write pages + ``markers`` (empty
-        values) atomically.  Returns False when the write failed."""
+        values) atomically, leaving out pages whose key is in ``exclude``.
+        Returns False when the write failed."""
         done: list = []
         ev = threading.Event()
-        self._q.put(("commit", markers, (done, ev)))
+        self._q.put(("commit", (markers, exclude), (done, ev)))
         ev.wait()
         return bool(done and done[0])
 
@@ -239,11 +263,14 @@ class SaveQueue:
                     self.seconds += time.perf_counter() - t0
                     continue
                 done, ev = b
+                markers, exclude = a
                 t0 = time.perf_counter()
                 ok = False
                 try:
-                    if self._items or a:
-                        items = self._items + [(m, pack(self.ns, b"")) for m in a]
+                    if exclude:
+                        self._items = [(k, v) for k, v in self._items if k not in exclude]
+                    if self._items or markers:
+                        items = self._items + [(m, pack(self.ns, b"")) for m in markers]
                         self.backend.put_many(items)
                         self.bytes_saved += sum(len(v) for _, v in self._items)
                     ok = True

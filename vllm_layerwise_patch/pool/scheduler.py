@@ -48,9 +48,13 @@ class SaveSpec:
 
 
 class PoolMetadata(KVConnectorMetadata):
-    def __init__(self, loads: list[LoadSpec], saves: list[SaveSpec]) -> None:
+    def __init__(self, loads: list[LoadSpec], saves: list[SaveSpec],
+                 report_load_errors: bool = False) -> None:
         self.loads = loads
         self.saves = saves
+        # the scheduler can take block load errors for this layout: a failed
+        # load is reported (the request recomputes) instead of raised
+        self.report_load_errors = report_load_errors
 
 
 @dataclasses.dataclass
@@ -85,6 +89,7 @@ class PoolScheduler:
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._warned: set[str] = set()
+        self._report_errors: bool | None = None
         self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0}
 
     # -- lookup ----------------------------------------------------------------
@@ -166,7 +171,8 @@ class PoolScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         self.stats["lookups"] += 1
         self.stats["query_tokens"] += max(0, request.num_tokens - num_computed_tokens)
-        self._tracked.setdefault(request.request_id, _Tracked(request, []))
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request, []))
+        tracked.loaded_end = 0  # (again, after a preemption)
         k = self.lookup(request, num_computed_tokens)
         if k == 0:
             self._pending.pop(request.request_id, None)
@@ -247,7 +253,31 @@ class PoolScheduler:
                     mamba.append((bytes(hashes[j]), ids))
             if attn or mamba:
                 saves.append(SaveSpec(req_id, attn, mamba))
-        return PoolMetadata(loads, saves)
+        return PoolMetadata(loads, saves, self.report_load_errors())
+
+    def report_load_errors(self) -> bool:
+        """vLLM takes block load errors itself for one KV cache group; for
+        hybrid layouts only with the ``hybrid-load-recompute`` patch applied
+        in this (the scheduler's) process.  Decided once, logged once."""
+        if self._report_errors is None:
+            if len(self.groups) <= 1:
+                self._report_errors = True
+            else:
+                try:
+                    from ..activation import registry
+
+                    self._report_errors = registry().is_applied("hybrid-load-recompute")
+                except Exception:  # pragma: no cover - defensive
+                    self._report_errors = False
+                if self._report_errors:
+                    logger.info("vllm-layerwise-patch pool: a failed load is handed to "
+                                "vLLM's kv_load_failure_policy (hybrid-load-recompute)")
+                else:
+                    logger.warning(
+                        "vllm-layerwise-patch pool: hybrid-load-recompute is not applied; "
+                        "a load that fails after a verified lookup stops the engine "
+                        "rather than serve tokens from a wrong state")
+        return self._report_errors
 
     def _ids(self, t: _Tracked, col: int, kind: str) -> dict[int, int]:
         return {g: t.blocks[g][col] for g in range(len(self.kinds))

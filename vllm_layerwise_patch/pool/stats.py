@@ -15,7 +15,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
-            "bytes_saved", "save_seconds", "blocks_saved")
+            "bytes_saved", "save_seconds", "blocks_saved", "load_failures")
 
 
 @dataclasses.dataclass
@@ -52,4 +52,5 @@ class PoolStats(KVConnectorStats):
             "Save throughput (GB/s)": round(d["bytes_saved"] / gb / d["save_seconds"], 3)
             if d["save_seconds"] else 0.0,
             "Blocks saved": int(d["blocks_saved"]),
+            "Requests with failed loads": int(d["load_failures"]),
         }

