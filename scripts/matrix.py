@@ -97,6 +97,20 @@ def evaluate_build(label: str, path: str) -> dict:
             "patches": rows}
 
 
+def run_doctor(label: str, out: Path) -> str:
+    """``doctor --json`` of the vLLM installed in this interpreter (patches
+    selected, CPU V2 shim on), saved beside the reports."""
+    env = dict(os.environ, VLLM_LAYERWISE_PATCH="1", VLLM_LAYERWISE_PATCH_CPU_V2="1")
+    proc = subprocess.run([sys.executable, "-m", "vllm_layerwise_patch", "doctor", "--json"],
+                          env=env, capture_output=True, text=True, cwd=str(ROOT / "reports"))
+    if proc.returncode not in (0, 1) or not proc.stdout.strip().startswith("{"):
+        raise SystemExit(f"doctor failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"doctor-{slug(label)}.json"
+    path.write_text(proc.stdout)
+    return str(path)
+
+
 def fold_doctor(report: dict, doctor_path: str, level: str = "import") -> dict:
     doc = json.loads(Path(doctor_path).read_text())
     report["level"] = level
@@ -180,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="--download every matrix release")
     ap.add_argument("--doctor", metavar="FILE",
                     help="fold a doctor --json report (taken with that build installed) in")
+    ap.add_argument("--run-doctor", action="store_true",
+                    help="take the doctor report here (this interpreter has the build "
+                         "installed), save it as <out>/doctor-<label>.json and fold it in")
     ap.add_argument("--level", default="import", choices=("import", "e2e"),
                     help="with --doctor: e2e when the test suite ran on that build")
     ap.add_argument("--out", metavar="DIR", help="write <label>.json reports there")
@@ -216,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for label, path in builds:
         report = evaluate_build(label, path)
-        if args.doctor:
-            report = fold_doctor(report, args.doctor, args.level)
+        doctor = args.doctor
+        if args.run_doctor:
+            doctor = run_doctor(label, Path(args.out or REPORT_DIR))
+        if doctor:
+            report = fold_doctor(report, doctor, args.level)
         print_report(report)
         for e in declaration_errors(report):
             print("MISMATCH", e)
