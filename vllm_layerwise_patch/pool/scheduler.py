@@ -90,6 +90,8 @@ class PoolScheduler:
         self._tracked: dict[str, _Tracked] = {}
         self._warned: set[str] = set()
         self._report_errors: bool | None = None
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        self.failure_policy = getattr(ktc, "kv_load_failure_policy", None) or "fail"
         self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0}
 
     # -- lookup ----------------------------------------------------------------
@@ -270,8 +272,13 @@ class PoolScheduler:
                 except Exception:  # pragma: no cover - defensive
                     self._report_errors = False
                 if self._report_errors:
-                    logger.info("vllm-layerwise-patch pool: a failed load is handed to "
-                                "vLLM's kv_load_failure_policy (hybrid-load-recompute)")
+                    logger.info(
+                        "vllm-layerwise-patch pool: a failed load is handed to vLLM's "
+                        "kv_load_failure_policy=%r (hybrid-load-recompute)%s",
+                        self.failure_policy,
+                        "" if self.failure_policy == "recompute" else
+                        "; set kv_transfer_config.kv_load_failure_policy='recompute' to "
+                        "recompute such requests instead of failing them")
                 else:
                     logger.warning(
                         "vllm-layerwise-patch pool: hybrid-load-recompute is not applied; "
