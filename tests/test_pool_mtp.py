@@ -39,7 +39,7 @@ P = {"prefix": [2000, 5]}
 Q = {"prefix": [1920, 5], "suffix": [80, 9]}
 
 DRIVER = r"""
-import json, sys
+import hashlib, json, sys
 cfg = json.loads(sys.argv[1])
 from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, tiny_prompt
 from vllm import LLM, SamplingParams
@@ -57,8 +57,13 @@ try:  # the drafter's outputs (engine core and worker are in this process)
     def _recording(self, hidden_states, *a, **k):
         out = _compute_logits(self, hidden_states, *a, **k)
         if out is not None and out.dim() == 2 and out.shape[0] == 1:
-            m = out.float().max(-1)
-            probe.append([int(m.indices[0]), round(float(m.values[0]), 4)])
+            row = out.float()
+            m = row.max(-1)
+            # argmax, max logit and a digest of the whole logits row: a
+            # stale draft page moves the drafter's logits by less than the
+            # rounding of the max, but not by less than a bit of the row
+            probe.append([int(m.indices[0]), round(float(m.values[0]), 4),
+                          hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest()[:16]])
         return out
     _mtp.Qwen3NextMTP.compute_logits = _recording
 except Exception as exc:
