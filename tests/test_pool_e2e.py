@@ -219,16 +219,50 @@ def test_pool_smaller_than_working_set_evicts_and_stays_correct(tiny_model_dir, 
     assert second["out"][0]["cached"] == 3 * BLOCK  # the last prompt written is still there
 
 
-@pytest.mark.parametrize("extra,field", [
-    ({"capacity": "lots"}, "capacity"),
-    ({"prefetch_layers": 0}, "prefetch_layers"),
-    ({"backend": "redis"}, "backend"),
-    ({"no_such_option": 1}, "no_such_option"),
-])
-def test_invalid_config_is_a_startup_error_naming_the_field(tiny_model_dir, work, extra, field):
-    res = engine(tiny_model_dir, work, [PB], pool=dict({"path": str(work / "bad")}, **extra))
-    assert res["error"] is not None
-    assert field in res["error"] and "kv_connector_extra_config" in res["error"]
+INVALID = {"capacity": {"capacity": "lots"}, "prefetch_layers": {"prefetch_layers": 0},
+           "backend": {"backend": "redis"}, "no_such_option": {"no_such_option": 1}}
+
+STARTUP_DRIVER = r"""
+import json, sys
+cfg = json.loads(sys.argv[1])
+from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs
+from vllm import LLM
+
+errors = {}
+for field, extra in cfg["configs"].items():  # one process, one engine start each
+    kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640)
+    kw["kv_transfer_config"] = {"kv_connector": "LayerwisePoolConnector",
+        "kv_connector_module_path": "vllm_layerwise_patch.pool", "kv_role": "kv_both",
+        "kv_connector_extra_config": extra}
+    try:
+        llm = LLM(model=cfg["model"], **kw)
+        errors[field] = None
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    except Exception as exc:
+        errors[field] = f"{type(exc).__name__}: {exc}"
+print("RESULT " + json.dumps(errors))
+"""
+
+
+@pytest.fixture(scope="module")
+def startup_errors(tiny_model_dir, work):
+    configs = {f: dict({"path": str(work / "bad")}, **x) for f, x in INVALID.items()}
+    cfg = {"model": str(tiny_model_dir), "configs": configs}
+    env = clean_env(VLLM_LAYERWISE_PATCH="1", VLLM_LAYERWISE_PATCH_CPU_V2="1",
+                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = run_py(STARTUP_DRIVER.replace("sys.argv[1]", repr(json.dumps(cfg))), env=env,
+                  cwd=str(work), check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, f"driver died:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("field", list(INVALID))
+def test_invalid_config_is_a_startup_error_naming_the_field(startup_errors, field):
+    err = startup_errors[field]
+    assert err is not None, f"{INVALID[field]} started an engine"
+    assert field in err and "kv_connector_extra_config" in err, err
 
 
 FAIL_LAYER = "model.layers.1.linear_attn"
