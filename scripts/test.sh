@@ -6,8 +6,17 @@ venv=$(bash "$root/scripts/setup-venv.sh" test | tail -n 1)
 cd "$root"
 # The pytest script (not `python -m pytest`) keeps the source tree off
 # sys.path: the tests exercise the installed wheel, .pth hook included.
+# Most tests start real vLLM engines in subprocesses, whose start-up is
+# single-threaded: two pytest workers (one test file each at a time, so a
+# file's module fixtures stay in one process) keep both cores busy.
+# VLP_TEST_WORKERS=0 runs everything in one process.
+workers=${VLP_TEST_WORKERS-2}
+xdist=()
+if [ "$workers" != "0" ]; then
+  xdist=(-n "$workers" --dist loadfile)
+fi
 set +e
-"$venv/bin/pytest" -ra "$@"
+"$venv/bin/pytest" -ra --durations=15 "${xdist[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
