@@ -70,16 +70,21 @@ print("RESULT " + json.dumps({"out": out, "error": error}))
 """
 
 
-def engine(model_dir, cwd, prompts, pool=None, patches="1", policy=None):
-    cfg = {"model": str(model_dir), "pool": pool, "prompts": prompts, "policy": policy}
+def run_driver(driver, cfg, cwd, patches="1"):
+    """Run ``driver`` with ``cfg`` in a fresh process; its RESULT and its log."""
     env = clean_env(VLLM_LAYERWISE_PATCH=patches, VLLM_LAYERWISE_PATCH_CPU_V2="1",
                     VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = run_py(DRIVER.replace("sys.argv[1]", repr(json.dumps(cfg))), env=env,
+    proc = run_py(driver.replace("sys.argv[1]", repr(json.dumps(cfg))), env=env,
                   cwd=str(cwd), check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert lines, f"engine died:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    res = json.loads(lines[-1][len("RESULT "):])
-    res["log"] = proc.stdout + proc.stderr
+    return json.loads(lines[-1][len("RESULT "):]), proc.stdout + proc.stderr
+
+
+def engine(model_dir, cwd, prompts, pool=None, patches="1", policy=None):
+    cfg = {"model": str(model_dir), "pool": pool, "prompts": prompts, "policy": policy}
+    res, log = run_driver(DRIVER, cfg, cwd, patches)
+    res["log"] = log
     return res
 
 
@@ -248,14 +253,9 @@ print("RESULT " + json.dumps(errors))
 @pytest.fixture(scope="module")
 def startup_errors(tiny_model_dir, work):
     configs = {f: dict({"path": str(work / "bad")}, **x) for f, x in INVALID.items()}
-    cfg = {"model": str(tiny_model_dir), "configs": configs}
-    env = clean_env(VLLM_LAYERWISE_PATCH="1", VLLM_LAYERWISE_PATCH_CPU_V2="1",
-                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = run_py(STARTUP_DRIVER.replace("sys.argv[1]", repr(json.dumps(cfg))), env=env,
-                  cwd=str(work), check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert lines, f"driver died:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    errors, _ = run_driver(STARTUP_DRIVER, {"model": str(tiny_model_dir), "configs": configs},
+                           work)
+    return errors
 
 
 @pytest.mark.parametrize("field", list(INVALID))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 
@@ -63,10 +62,7 @@ def run_engine(model_dir, cwd, requests, pool=None, patches="1"):
     cfg = {"model": str(model_dir), "pool": pool, "requests": requests}
     env = clean_env(VLLM_LAYERWISE_PATCH=patches, VLLM_LAYERWISE_PATCH_CPU_V2="1",
                     VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    t0 = time.monotonic()
     proc = run_py(DRIVER.replace("sys.argv[1]", repr(json.dumps(cfg))), env=env, cwd=str(cwd))
-    print(f"engine ({len(requests)} requests, pool={pool is not None}): "
-          f"{time.monotonic() - t0:.1f}s")
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     return json.loads(line[len("RESULT "):])
 
