@@ -167,7 +167,7 @@ def test_patches_off_falls_back_to_the_bulk_path(tiny_model_dir, work, pool_a, b
 
 
 def _tamper(path, fn):
-    env = lmdb.open(str(path), max_dbs=2, subdir=True)
+    env = lmdb.open(str(path), max_dbs=4, subdir=True)
     data = env.open_db(b"data")
     with env.begin(write=True, db=data) as txn:
         fn(txn)
@@ -180,11 +180,11 @@ def test_corrupted_entries_are_detected_and_recomputed(tiny_model_dir, work, bas
     assert res["error"] is None
     keys = []
     _tamper(pool["path"], lambda txn: keys.extend(k for k, _ in txn.cursor()))
-    pages = sorted(k for k in keys if b"/a/" in k or b"/m/" in k)
+    pages = sorted(k for k in keys if b"/L" in k)
     by_kind = {}
     for k in pages:
         by_kind.setdefault(k.split(b"/")[1], []).append(k)
-    attn, state = by_kind[b"a"], by_kind[b"m"]
+    attn, state = by_kind[b"attn"], by_kind[b"state"]
     flipped, truncated, foreign = state[0], attn[0], attn[-1]
 
     def corrupt(txn):

@@ -4,16 +4,19 @@ extra-config validation and the scheduler's lookup rules."""
 
 from __future__ import annotations
 
+import os
+import struct
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import types
 
 import pytest
 import torch
 
-from vllm_layerwise_patch.pool.backends.base import CorruptEntry, pack, unpack
+from vllm_layerwise_patch.pool.backends.base import CorruptEntry, PoolFull, pack, unpack
 from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfig, PoolConfigError
 from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline, LoadError
@@ -59,6 +62,18 @@ def test_values_are_never_pickles():
 
 # -- LMDB backend --------------------------------------------------------------
 
+def _block(i, size=200_000, layers=2):
+    """A block's group: its pages and its commit marker."""
+    g = f"ns/attn/{i:04d}/tp0"
+    return [(f"{g}/L{j}".encode(), pack(NS, bytes(size))) for j in range(layers)] + [
+        (f"{g}/commit".encode(), pack(NS, b""))]
+
+
+def _present(be, i, layers=2):
+    g = f"ns/attn/{i:04d}/tp0"
+    return be.exists_all([f"{g}/L{j}".encode() for j in range(layers)] + [f"{g}/commit".encode()])
+
+
 def test_lmdb_put_get_exists_delete(tmp_path):
     be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
     be.put_many([(b"a", pack(NS, b"1")), (b"b", pack(NS, b"22"))])
@@ -70,28 +85,66 @@ def test_lmdb_put_get_exists_delete(tmp_path):
     be.close()
 
 
-def test_lmdb_evicts_least_recently_used_and_reuses_freed_pages(tmp_path):
-    be = LmdbBackend(str(tmp_path / "p"), 4 << 20, pin_seconds=0)
-    page = bytes(200_000)
-    for i in range(60):  # 12 MB through a 4 MiB map
-        be.put_many([(f"k{i}".encode(), pack(NS, page))])
-        if i == 5:
-            be.touch([b"k0"])  # recently used: survives longer than k1..k5
+def test_lmdb_evicts_least_recently_used_whole_blocks(tmp_path):
+    be = LmdbBackend(str(tmp_path / "p"), 4 << 20)
+    be.put_many(_block(0))
+    for i in range(1, 30):  # ~12 MB through a 4 MiB map
+        be.put_many(_block(i))
+        be.touch([b"ns/attn/0000/tp0"])  # block 0: the oldest insert, kept in use
     st = be.stats()
-    assert st["evictions"] > 0 and st["entries"] < 60
-    assert be.exists_all([b"k59"]) == [True]
-    assert be.exists_all([b"k1"]) == [False]
-    # the map did not have to grow: freed pages were reused
-    assert st["used_bytes"] <= 4 << 20
+    assert st["evictions"] > 0 and st["evicted_groups"] > 0
+    # LRU, not FIFO: the first block written but in use survived the evictions
+    # that took the blocks written after it
+    assert _present(be, 0) == [True] * 3
+    assert _present(be, 1) == [False] * 3
+    assert _present(be, 29) == [True] * 3
+    # eviction works on whole blocks: never a marker without its pages (or
+    # pages without their marker)
+    for i in range(30):
+        assert len(set(_present(be, i))) == 1, i
     be.close()
 
 
-def test_lmdb_pin_window_protects_recent_entries(tmp_path):
-    be = LmdbBackend(str(tmp_path / "p"), 2 << 20, pin_seconds=3600)
-    with pytest.raises(RuntimeError, match="pool full"):
-        for i in range(40):
-            be.put_many([(f"k{i}".encode(), pack(NS, bytes(200_000)))])
-    assert be.exists_all([b"k0"]) == [True]  # nothing pinned was evicted
+def test_lmdb_pinned_blocks_are_never_evicted_and_a_full_pool_skips(tmp_path):
+    be = LmdbBackend(str(tmp_path / "p"), 2 << 20)
+    be.put_many(_block(0))
+    be.pin([b"ns/attn/0000/tp0"], 3600, owner=b"req-a")
+    be.pin([b"ns/attn/0000/tp0"], 3600, owner=b"req-b")
+    be.unpin([b"ns/attn/0000/tp0"], owner=b"req-a")  # req-b still loads it
+    for i in range(1, 12):
+        be.put_many(_block(i))
+    assert _present(be, 0) == [True] * 3  # still pinned by req-b
+    assert _present(be, 1) == [False] * 3
+    be.unpin([b"ns/attn/0000/tp0"], owner=b"req-b")
+    for i in range(12, 24):
+        be.put_many(_block(i))
+    assert _present(be, 0) == [False] * 3  # evictable once nobody pins it
+    # every block pinned: no room is a PoolFull (a skipped save), not a crash
+    with pytest.raises(PoolFull):
+        for i in range(24, 40):
+            be.put_many(_block(i))
+            be.pin([f"ns/attn/{i:04d}/tp0".encode()], 3600)
+    # an expired pin does not protect
+    be2 = LmdbBackend(str(tmp_path / "q"), 2 << 20)
+    be2.put_many(_block(0))
+    be2.pin([b"ns/attn/0000/tp0"], 0.01)
+    time.sleep(0.05)
+    for i in range(1, 12):
+        be2.put_many(_block(i))
+    assert _present(be2, 0) == [False] * 3
+    be.close()
+    be2.close()
+
+
+def test_lmdb_delete_groups_drops_pages_marker_and_pins(tmp_path):
+    be = LmdbBackend(str(tmp_path / "p"), 16 << 20)
+    for i in range(3):
+        be.put_many(_block(i))
+    be.pin([b"ns/attn/0001/tp0"], 3600)
+    be.delete_groups([b"ns/attn/0001/tp0"])
+    assert _present(be, 1) == [False] * 3
+    assert _present(be, 0) == [True] * 3 and _present(be, 2) == [True] * 3
+    assert be.stats()["groups"] == 2
     be.close()
 
 
@@ -116,13 +169,118 @@ def test_lmdb_is_safe_for_several_processes(tmp_path):
     be.close()
 
 
+def test_lmdb_engines_with_different_capacities_share_one_pool(tmp_path):
+    # A second engine opens the path with a larger capacity and grows the
+    # map; the first one adopts the grown map instead of failing
+    # (MDB_MAP_RESIZED), and both keep reading and writing.
+    path = str(tmp_path / "p")
+    small = LmdbBackend(path, 4 << 20)
+    small.put_many(_block(0))
+    code = textwrap.dedent(f"""
+        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.base import pack
+        be = LmdbBackend({path!r}, 32 << 20)
+        for i in range(100, 160):
+            g = f"ns/attn/{{i:04d}}/tp0"
+            be.put_many([(f"{{g}}/L0".encode(), pack(b"N" * 16, bytes(200_000)))])
+        print(be.stats()["evictions"])
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split()[-1] == "0"  # 12 MB in a 32 MiB map: no eviction
+    assert small.exists_all([b"ns/attn/0150/tp0/L0", b"ns/attn/0000/tp0/L0"]) == [True, True]
+    small.put_many(_block(1))  # writes into the grown map
+    assert small.map_size == 32 << 20
+    assert _present(small, 1) == [True] * 3
+    small.close()
+
+
+def test_lmdb_reader_slot_of_a_killed_process_is_cleared(tmp_path):
+    # A process SIGKILLed inside a read transaction leaves its reader slot,
+    # which pins the pages of that snapshot: freed pages are never reused and
+    # eviction frees nothing.  The backend clears such slots (LMDB's reader
+    # check) before evicting, so the pool keeps evicting and saving.
+    path = str(tmp_path / "p")
+    be = LmdbBackend(path, 4 << 20)
+    for i in range(8):
+        be.put_many(_block(i))
+    code = textwrap.dedent(f"""
+        import time
+        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        be = LmdbBackend({path!r}, 4 << 20)
+        def hold(i, k, v):
+            print("reading", flush=True)
+            time.sleep(600)
+        be.read_many([b"ns/attn/0000/tp0/L0"], hold)
+        """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "reading"
+    child.kill()
+    child.wait()
+    assert any(str(child.pid) in line for line in be.env.readers().splitlines())
+    for i in range(8, 60):  # ~24 MB more through the 4 MiB map
+        be.put_many(_block(i))
+    assert _present(be, 59) == [True] * 3
+    assert be.stats()["evictions"] > 0
+    assert not any(str(child.pid) in line for line in be.env.readers().splitlines())
+    be.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 3 MiB tmpfs (needs root: mount)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_lmdb_capacity_larger_than_the_filesystem_is_a_startup_error(small_tmpfs):
+    path = str(small_tmpfs / "pool")
+    with pytest.raises(PoolConfigError) as e:
+        LmdbBackend(path, 64 << 20)
+    msg = str(e.value)
+    assert "kv_connector_extra_config.capacity" in msg and path in msg
+    assert "bytes free" in msg and str(64 << 20) in msg
+
+
+def test_lmdb_filesystem_filling_up_at_runtime_skips_saves(small_tmpfs):
+    # The pool fits at startup; then something else fills the filesystem.
+    path = str(small_tmpfs / "pool")
+    be = LmdbBackend(path, 2 << 20)
+    be.put_many(_block(0, size=100_000))
+    with open(small_tmpfs / "other-file", "wb") as f:
+        try:
+            f.write(bytes(8 << 20))
+        except OSError:
+            pass  # filled the filesystem
+    with pytest.raises(PoolFull, match="full"):
+        for i in range(1, 20):
+            be.put_many(_block(i, size=100_000))
+    assert _present(be, 0) == [True] * 3  # what was stored is still readable
+    be.close()
+
+
 # -- configuration -------------------------------------------------------------
 
 def test_config_defaults_and_sizes():
     c = PoolConfig.from_extra({"capacity": "512MiB", "path": "/tmp/x"})
     assert c.capacity == 512 << 20 and c.prefetch_layers == 2
     assert PoolConfig.from_extra({"capacity": 1000}).capacity == 1000
-    assert PoolConfig.from_extra(None).path.endswith("vllm-layerwise-pool")
+    # units are spelled exactly: decimal and binary are different sizes
+    sizes = {"4GB": 4 * 10**9, "4GiB": 4 << 30, "1TiB": 1 << 40, "2TB": 2 * 10**12,
+             "512 kB": 512_000, "1.5MiB": 3 << 19, "64B": 64}
+    for text, n in sizes.items():
+        assert PoolConfig.from_extra({"capacity": text}).capacity == n, text
+    for bad in ("4gb", "4G", "4 gigabytes", "MiB", "-1MiB", "0"):
+        with pytest.raises(PoolConfigError, match="kv_connector_extra_config.capacity"):
+            PoolConfig.from_extra({"capacity": bad})
+    # per-user default path
+    assert PoolConfig.from_extra(None).path.endswith(f"vllm-layerwise-pool-{os.geteuid()}")
 
 
 @pytest.mark.parametrize("extra,field", [
@@ -131,11 +289,14 @@ def test_config_defaults_and_sizes():
     ({"load_threads": "2"}, "load_threads"), ({"pin_seconds": -1}, "pin_seconds"),
     ({"verify_on_lookup": "yes"}, "verify_on_lookup"), ({"path": ""}, "path"),
     ({"backend": "redis"}, "backend"), ({"capcity": "1GiB"}, "capcity"),
+    ({"shared_group": ""}, "shared_group"),
+    ({"debug_backend_fault": "disk"}, "debug_backend_fault"),
+    ({"debug_load_delay_ms": -5}, "debug_load_delay_ms"),
 ])
 def test_config_errors_name_the_field(extra, field):
     with pytest.raises(PoolConfigError) as e:
         PoolConfig.from_extra(extra)
-    assert field in str(e.value) and "kv_connector_extra_config" in str(e.value)
+    assert f"kv_connector_extra_config.{field}" in str(e.value), str(e.value)
 
 
 # -- the transfer pipeline (torch only) ------------------------------------------
@@ -239,7 +400,7 @@ def test_pipeline_tolerant_mode_zeroes_and_lists_failed_items(tmp_path):
     assert caches[order[0]][1].sum() == 0
     assert caches[order[1]][2].sum() == 0 and caches[order[1]][0].sum() == 0
     assert caches[order[1]][1].sum() == 7 * 64  # not a destination: untouched
-    got = sorted((layer, i, type(e).__name__) for layer, i, e in pipe.failures)
+    got = sorted((layer, i, type(e).__name__) for layer, i, _k, e in pipe.failures)
     assert got == [(order[0], 1, "LoadError"), (order[1], 0, "CorruptEntry")]
     pipe.start({order[0]: [(b"missing", [caches[order[0]][1]])]})  # strict again
     with pytest.raises(LoadError):
@@ -266,22 +427,24 @@ def test_save_queue_commit_leaves_out_excluded_pages(tmp_path):
 
 # -- scheduler lookup rules ----------------------------------------------------
 
-def _scheduler(tmp_path, *, layers=((0, "a"), (1, "m")), verify=True):
-    from vllm_layerwise_patch.pool.keys import ATTN, MAMBA
+def _scheduler(tmp_path, *, layers=((0, "attn"), (1, "state")), verify=True, block=4,
+               unit=None, trim=False):
+    from vllm_layerwise_patch.pool.layout import PoolLayout
     from vllm_layerwise_patch.pool.scheduler import PoolScheduler
 
-    sched = PoolScheduler.__new__(PoolScheduler)
-    sched.backend = LmdbBackend(str(tmp_path / "p"), 64 << 20)
-    sched.ns, sched.block_size, sched.tp_size = NS, 4, 1
-    sched.config = PoolConfig.from_extra({"verify_on_lookup": verify})
-    sched.layers = {ATTN: [str(i) for i, k in layers if k == "a"],
-                    MAMBA: [str(i) for i, k in layers if k == "m"]}
-    sched._warned = set()
-    sched.trim_blocks = 0
-    return sched
+    kinds = tuple(k for _, k in layers)
+    layout = PoolLayout(kinds=kinds,
+                        group_layers=tuple((f"model.layers.{i}.x",) for i, _ in layers),
+                        block_size=block, hash_block_size=unit or block)
+    cfg = types.SimpleNamespace(speculative_config=object() if trim else None,
+                                kv_transfer_config=None)
+    return PoolScheduler(vllm_config=cfg, layout=layout,
+                         backend=LmdbBackend(str(tmp_path / "p"), 64 << 20), namespace=NS,
+                         config=PoolConfig.from_extra({"verify_on_lookup": verify}))
 
 
 def _store(sched, hashes, blocks, kind):
+    """Commit pool blocks ``blocks`` (named by ``hashes``) of ``kind``."""
     from vllm_layerwise_patch.pool.keys import marker_key, page_key
 
     items = []
@@ -292,62 +455,138 @@ def _store(sched, hashes, blocks, kind):
     sched.backend.put_many(items)
 
 
-def test_lookup_ends_at_the_last_stored_boundary_state(tmp_path):
-    from vllm_layerwise_patch.pool.keys import ATTN, MAMBA
-
-    sched = _scheduler(tmp_path)
-    hashes = [bytes([i]) * 8 for i in range(5)]
-    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=5 * 4 + 2)
-    assert sched.lookup(req, 0) == 0  # empty pool
-    _store(sched, hashes, range(5), ATTN)
-    assert sched.lookup(req, 0) == 0  # attention alone is not a hybrid hit
-    _store(sched, hashes, [1, 3], MAMBA)
-    assert sched.lookup(req, 0) == 4  # state at the end of block 3
-    assert sched.lookup(req, 8) == 4  # beyond a local hit of 2 blocks
-    assert sched.lookup(req, 16) == 0  # cannot beat a local hit of 4
-    # a full-prompt hit leaves one token to compute: 5 blocks + 2 tokens -> cap 5
-    exact = types.SimpleNamespace(block_hashes=hashes[:4], num_tokens=16)
-    assert sched.lookup(exact, 0) == 2  # cap (16-1)//4 = 3 blocks; state after block 1
-    # first attention miss stops the walk
-    sched.backend.delete([b"".join([NS.hex().encode(), b"/A/", hashes[2].hex().encode(), b"/0"])])
-    assert sched.lookup(req, 0) == 2
+def _req(hashes, num_tokens, rid="r"):
+    return types.SimpleNamespace(block_hashes=hashes, num_tokens=num_tokens, request_id=rid)
 
 
-def test_speculative_decoding_trims_the_final_block(tmp_path):
-    from vllm_layerwise_patch.pool.keys import ATTN, MAMBA
+@pytest.fixture
+def stored(tmp_path):
+    """A scheduler (block 4 tokens, one attention and one state layer) and
+    the hashes of 4 blocks whose attention pages and boundary states are all
+    committed."""
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE
 
     sched = _scheduler(tmp_path)
     hashes = [bytes([i]) * 8 for i in range(4)]
-    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=4 * 4 + 1)
     _store(sched, hashes, range(4), ATTN)
-    _store(sched, hashes, range(4), MAMBA)
+    _store(sched, hashes, range(4), STATE)
+    return sched, hashes
+
+
+def test_lookup_ends_at_the_last_stored_boundary_state(tmp_path):
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key
+
+    sched = _scheduler(tmp_path)
+    hashes = [bytes([i]) * 8 for i in range(5)]
+    req = _req(hashes, 5 * 4 + 2)
+    assert sched.lookup(req, 0) == 0  # empty pool
+    _store(sched, hashes, range(5), ATTN)
+    assert sched.lookup(req, 0) == 0  # attention alone is not a hybrid hit
+    _store(sched, hashes, [1, 3], STATE)
+    assert sched.lookup(req, 0) == 4  # state at the end of block 3
+    assert sched.lookup(req, 8) == 4  # beyond a local hit of 2 blocks
+    assert sched.lookup(req, 16) == 0  # cannot beat a local hit of 4
+    # a full-prompt hit leaves one token to compute
+    exact = _req(hashes[:4], 16)
+    assert sched.lookup(exact, 0) == 2  # cap (16-1)//4 = 3 blocks; state after block 1
+    # first attention miss stops the walk
+    sched.backend.delete([marker_key(NS, ATTN, hashes[2], 0)])
+    assert sched.lookup(req, 0) == 2
+
+
+def test_lookup_names_blocks_by_the_hash_at_their_last_unit(tmp_path):
+    # prefix_match_unit a quarter of the block: 4 hashes per pool block.
+    # Pool block i is named by hashes[4i+3], the one covering exactly
+    # [0, (i+1)*block); a prompt sharing only the first unit of a stored
+    # block (same hashes[0], different hashes[3]) must not hit it.
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE
+
+    sched = _scheduler(tmp_path, block=8, unit=2)
+    stored = [bytes([1, i]) * 4 for i in range(12)]  # 3 blocks, 24 tokens
+    names = [stored[4 * i + 3] for i in range(3)]
+    _store(sched, names, range(3), ATTN)
+    _store(sched, names, range(3), STATE)
+    assert sched.lookup(_req(stored, 25), 0) == 3
+    # shares units 0..4 (one block and one unit): one block
+    other = stored[:5] + [bytes([2, i]) * 4 for i in range(5, 12)]
+    assert sched.lookup(_req(other, 25), 0) == 1
+    # shares only the first unit: nothing
+    first = stored[:1] + [bytes([3, i]) * 4 for i in range(1, 12)]
+    assert sched.lookup(_req(first, 25), 0) == 0
+    # a request hashed at another granularity than the layout says: no lookup
+    assert sched.lookup(_req(stored[:6], 25), 0) == 0
+
+
+def test_speculative_decoding_trims_the_final_block(stored):
+    from vllm_layerwise_patch.pool.keys import STATE, marker_key
+
+    sched, hashes = stored
+    req = _req(hashes, 4 * 4 + 1)
     assert sched.lookup(req, 0) == 4
     sched.trim_blocks = 1
     assert sched.lookup(req, 0) == 3
     # the trimmed hit still needs the state at its own end
-    from vllm_layerwise_patch.pool.keys import marker_key
-
-    sched.backend.delete([marker_key(NS, MAMBA, hashes[2], 0)])
+    sched.backend.delete([marker_key(NS, STATE, hashes[2], 0)])
     assert sched.lookup(req, 0) == 2
 
 
-def test_lookup_verification_shortens_the_hit_on_damage(tmp_path):
-    from vllm_layerwise_patch.pool.keys import ATTN, MAMBA, page_key
+def test_lookup_verification_shortens_the_hit_and_drops_the_block(stored):
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
 
-    sched = _scheduler(tmp_path)
-    hashes = [bytes([i]) * 8 for i in range(4)]
-    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=4 * 4 + 1)
-    _store(sched, hashes, range(4), ATTN)
-    _store(sched, hashes, range(4), MAMBA)
+    sched, hashes = stored
+    req = _req(hashes, 4 * 4 + 1)
     assert sched.lookup(req, 0) == 4
-    key = page_key(NS, MAMBA, hashes[3], 0, "1")
+    key = page_key(NS, STATE, hashes[3], 0, "1")
     sched.backend.put_many([(key, pack(NS, b"x" * 8)[:-3])])  # truncated state at block 3
     assert sched.lookup(req, 0) == 3
-    assert sched.backend.exists_all([key]) == [False]  # dropped from the pool
+    # the whole block's state group went, marker included: it can be saved again
+    assert sched.backend.exists_all([key, marker_key(NS, STATE, hashes[3], 0)]) == [False] * 2
     key = page_key(NS, ATTN, hashes[1], 0, "0")
     sched.backend.put_many([(key, pack(b"O" * 16, b"x" * 8))])  # foreign attention page
     assert sched.lookup(req, 0) == 1
     assert sched._warned == {"truncated", "foreign-namespace"}
+    # a page that vanished (its marker stayed): the marker is dropped too
+    sched.backend.delete([page_key(NS, ATTN, hashes[0], 0, "0")])
+    assert sched.lookup(req, 0) == 0
+    assert sched.backend.exists_all([marker_key(NS, ATTN, hashes[0], 0)]) == [False]
+
+
+def test_a_hit_pins_and_refreshes_what_its_load_reads(stored):
+    # The scheduler pins every group a reported hit's load reads (all TP
+    # ranks' attention pages of the loaded blocks, the boundary state of
+    # the last one); the request's end releases them.
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE, group_key
+
+    sched, hashes = stored
+    req = _req(hashes[:3], 3 * 4 + 1, rid="req-1")
+    assert sched.get_num_new_matched_tokens(req, 4) == (8, False)
+    pinned = sorted(sched._pinned["req-1"])
+    assert pinned == sorted([group_key(NS, ATTN, hashes[1], 0), group_key(NS, ATTN, hashes[2], 0),
+                             group_key(NS, STATE, hashes[2], 0)])
+    be = sched.backend
+    now = struct.pack(">d", time.time())
+    with be._txn() as txn:
+        assert all(be._pinned(txn, g, now) for g in pinned)
+        assert not be._pinned(txn, group_key(NS, ATTN, hashes[0], 0), now)
+    with be._txn() as txn:  # refreshed: the pinned groups are the most recent
+        newest = [bytes(k[8:]) for k, _ in txn.cursor(db=be.lru)][-3:]
+    assert sorted(newest) == pinned
+    sched.request_finished(req)
+    with be._txn() as txn:
+        assert not any(be._pinned(txn, g, now) for g in pinned)
+
+
+def test_a_backend_error_in_a_lookup_is_a_miss(stored, caplog):
+    from vllm_layerwise_patch.pool.backends.base import FaultInjectingBackend
+
+    sched, hashes = stored
+    req = _req(hashes[:3], 3 * 4 + 1)
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
+    sched.backend = FaultInjectingBackend(sched.backend, "lookup")
+    with caplog.at_level("WARNING", logger="vllm.layerwise_patch"):
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sum("a lookup failed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_layer_ids_keep_drafter_layers_apart():
@@ -382,9 +621,10 @@ def test_save_queue_commits_pages_and_markers_in_one_transaction(tmp_path):
     be.close()
 
 
-def test_save_queue_failure_is_logged_not_raised(tmp_path):
+def test_save_queue_full_pool_and_failures_are_counted_not_raised(tmp_path):
     import logging
 
+    from vllm_layerwise_patch.pool.backends.base import FaultInjectingBackend
     from vllm_layerwise_patch.pool.pipeline import SaveQueue
 
     records = []
@@ -393,18 +633,25 @@ def test_save_queue_failure_is_logged_not_raised(tmp_path):
     log = logging.getLogger("vllm.layerwise_patch")
     log.addHandler(handler)
 
-    be = LmdbBackend(str(tmp_path / "p"), 1 << 20, pin_seconds=3600)
+    be = LmdbBackend(str(tmp_path / "p"), 1 << 20)
     q = SaveQueue(be, NS)
-    big = torch.zeros(700_000, dtype=torch.uint8)  # more than half the pool
-    q.submit([(b"big", big)])
+    big = torch.zeros(700_000, dtype=torch.uint8)  # more than half the pool: no room
+    failing = SaveQueue(FaultInjectingBackend(be, "save"), NS)
+    small = torch.zeros(1000, dtype=torch.uint8)
     try:
-        assert q.commit([b"m"]) is False
-        q.submit([(b"big2", big)])
-        assert q.commit([]) is False
+        for _ in range(2):
+            q.submit([(b"big", big)])
+            assert q.commit([b"m"]) is False
+            failing.submit([(b"small", small)])
+            assert failing.commit([b"m2"]) is False
     finally:
         log.removeHandler(handler)
-    assert q.failures == 2
-    assert sum("a save failed" in r.getMessage() for r in records) == 1
-    assert be.exists_all([b"m"]) == [False]  # no marker without its pages
+    assert (q.skipped, q.failures) == (2, 0)
+    assert (failing.skipped, failing.failures) == (0, 2)
+    messages = [r.getMessage() for r in records]
+    assert sum("no room for this step's saves" in m for m in messages) == 1
+    assert sum("a save failed" in m for m in messages) == 1
+    assert be.exists_all([b"m", b"m2", b"small"]) == [False] * 3  # no marker without pages
     q.close()
+    failing.close()
     be.close()

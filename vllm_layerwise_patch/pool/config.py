@@ -1,50 +1,78 @@
-"""``kv_connector_extra_config`` of the LayerwisePoolConnector, validated at
-startup with errors that name the field."""
+"""``kv_connector_extra_config`` of the LayerwisePoolConnector: a pydantic
+model (pydantic comes with vLLM) with unknown fields forbidden, validated at
+startup; every error names ``kv_connector_extra_config.<field>``.
+
+Sizes are an integer number of bytes or a string with a unit spelled exactly:
+decimal ``kB``/``MB``/``GB``/``TB`` (powers of 1000) or binary
+``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024).  ``"4GiB"`` is 4 294 967 296
+bytes, ``"4GB"`` is 4 000 000 000.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+import os
+import re
+from typing import Any, Literal
 
-from .backends.lmdb import default_path
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+PREFIX = "kv_connector_extra_config"
+
+_UNITS = {"B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+#: debug_backend_fault values: the backend operation that raises (tests)
+FAULTS = ("", "lookup", "load", "save")
 
 
 class PoolConfigError(ValueError):
     pass
 
 
-def parse_size(field: str, value: Any) -> int:
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string with an exactly spelled unit."""
     if isinstance(value, bool):
-        raise PoolConfigError(f"kv_connector_extra_config.{field}: expected a size, got {value!r}")
-    if isinstance(value, (int, float)):
+        raise ValueError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
         n = int(value)
     elif isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(num):]
-        if unit not in _UNITS or not num:
-            raise PoolConfigError(
-                f"kv_connector_extra_config.{field}: cannot read size {value!r} "
-                "(examples: 4294967296, '4GiB', '512MB')")
-        n = int(float(num) * _UNITS[unit])
+        m = _SIZE.match(value)
+        if m is None or m.group(2) not in _UNITS:
+            raise ValueError(
+                f"cannot read size {value!r}: a number of bytes or a number with one "
+                f"of the units {', '.join(_UNITS)} (e.g. '4GiB', '512MiB', '8GB')")
+        n = int(float(m.group(1)) * _UNITS[m.group(2)])
     else:
-        raise PoolConfigError(f"kv_connector_extra_config.{field}: expected a size, got {value!r}")
+        raise ValueError(f"expected a size, got {value!r}")
     if n <= 0:
-        raise PoolConfigError(f"kv_connector_extra_config.{field}: must be > 0, got {value!r}")
+        raise ValueError(f"must be > 0, got {value!r}")
     return n
 
 
-@dataclasses.dataclass(frozen=True)
-class PoolConfig:
-    backend: str = "lmdb"
-    path: str = dataclasses.field(default_factory=default_path)
+def default_path() -> str:
+    """Per user: ``/dev/shm/vllm-layerwise-pool-<uid>`` (tmpfs: RAM), or
+    ``~/.cache/vllm-layerwise-pool`` where there is no /dev/shm."""
+    if os.path.isdir("/dev/shm"):
+        return os.path.join("/dev/shm", f"vllm-layerwise-pool-{os.geteuid()}")
+    return os.path.join(os.path.expanduser("~"), ".cache", "vllm-layerwise-pool")
+
+
+class PoolConfig(BaseModel):
+    """The pool connector's settings (README: "kv_connector_extra_config")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    backend: Literal["lmdb"] = "lmdb"
+    path: str = Field(default_factory=default_path, min_length=1)
     capacity: int = 4 << 30
-    prefetch_layers: int = 2
-    load_threads: int = 2
-    pin_seconds: float = 30.0
+    # a group whose members share the pool (0770/0660); None: private (0700/0600)
+    shared_group: str | None = Field(default=None, min_length=1)
+    prefetch_layers: int = Field(default=2, ge=1, le=64)
+    load_threads: int = Field(default=2, ge=1, le=32)
+    pin_seconds: float = Field(default=30.0, ge=0)
     verify_on_lookup: bool = True
     namespace_salt: str = ""
     # debug only: leave mamba state pages out of loads (negative-control tests)
@@ -53,73 +81,47 @@ class PoolConfig:
     debug_fail_load_layer: str = ""
     # debug only (negative control): failed loads are zeroed, not reported
     debug_hide_load_errors: bool = False
+    # debug only: every layer's load takes this long (ordering under slow loads)
+    debug_load_delay_ms: float = Field(default=0.0, ge=0, le=60_000)
+    # debug only (negative control): the deferred mamba copy of a layer runs
+    # before that layer's load has completed
+    debug_copy_before_wait: bool = False
+    # debug only: this backend operation raises (fault-handling tests)
+    debug_backend_fault: Literal["", "lookup", "load", "save"] = ""
 
-    FIELDS = ("backend", "path", "capacity", "prefetch_layers", "load_threads",
-              "pin_seconds", "verify_on_lookup", "namespace_salt",
-              "debug_skip_mamba_load", "debug_fail_load_layer",
-              "debug_hide_load_errors")
+    @field_validator("capacity", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        return parse_size(v)
+
+    @field_validator("pin_seconds", "debug_load_delay_ms", mode="before")
+    @classmethod
+    def _seconds(cls, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"expected a number, got {v!r}")
+        return float(v)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> PoolConfig:
-        extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(cls.FIELDS))
-        if unknown:
-            raise PoolConfigError(
-                f"kv_connector_extra_config: unknown field(s) {', '.join(unknown)}; "
-                f"known: {', '.join(cls.FIELDS)}")
-        kw: dict[str, Any] = {}
-        if "backend" in extra:
-            if extra["backend"] not in ("lmdb",):
-                raise PoolConfigError(
-                    f"kv_connector_extra_config.backend: {extra['backend']!r} is not "
-                    "available (known: 'lmdb')")
-            kw["backend"] = extra["backend"]
-        if "path" in extra:
-            if not isinstance(extra["path"], str) or not extra["path"]:
-                raise PoolConfigError(
-                    f"kv_connector_extra_config.path: expected a directory path, got {extra['path']!r}")
-            kw["path"] = extra["path"]
-        if "capacity" in extra:
-            kw["capacity"] = parse_size("capacity", extra["capacity"])
-        for name, lo, hi in (("prefetch_layers", 1, 64), ("load_threads", 1, 32)):
-            if name in extra:
-                v = extra[name]
-                if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                    raise PoolConfigError(
-                        f"kv_connector_extra_config.{name}: expected an integer "
-                        f"{lo}..{hi}, got {v!r}")
-                kw[name] = v
-        if "pin_seconds" in extra:
-            v = extra["pin_seconds"]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise PoolConfigError(
-                    f"kv_connector_extra_config.pin_seconds: expected seconds >= 0, got {v!r}")
-            kw["pin_seconds"] = float(v)
-        for name in ("verify_on_lookup", "debug_skip_mamba_load", "debug_hide_load_errors"):
-            if name in extra:
-                if not isinstance(extra[name], bool):
-                    raise PoolConfigError(
-                        f"kv_connector_extra_config.{name}: expected true/false, got {extra[name]!r}")
-                kw[name] = extra[name]
-        if "debug_fail_load_layer" in extra:
-            if not isinstance(extra["debug_fail_load_layer"], str):
-                raise PoolConfigError(
-                    "kv_connector_extra_config.debug_fail_load_layer: expected a layer name")
-            kw["debug_fail_load_layer"] = extra["debug_fail_load_layer"]
-        if "namespace_salt" in extra:
-            if not isinstance(extra["namespace_salt"], str):
-                raise PoolConfigError(
-                    "kv_connector_extra_config.namespace_salt: expected a string")
-            kw["namespace_salt"] = extra["namespace_salt"]
-        return cls(**kw)
-
-    def make_backend(self):
         try:
-            import lmdb  # noqa: F401
-        except ImportError as exc:
-            raise PoolConfigError(
-                "kv_connector_extra_config.backend: 'lmdb' needs the lmdb package: "
-                "pip install 'vllm-layerwise-patch[pool]'") from exc
-        from .backends.lmdb import open_shared
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as exc:
+            raise PoolConfigError(_describe(exc)) from None
 
-        return open_shared(self.path, self.capacity, pin_seconds=self.pin_seconds)
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return list(cls.model_fields)
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(root)"
+        if err["type"] == "extra_forbidden":
+            msg = (f"unknown field (known: {', '.join(PoolConfig.field_names())})")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            if "input" in err and err["type"] != "missing":
+                msg += f" (got {err['input']!r})"
+        lines.append(f"{PREFIX}.{field}: {msg}")
+    return "; ".join(lines)

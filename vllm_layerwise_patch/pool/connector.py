@@ -21,9 +21,31 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import PoolConfig, PoolConfigError
-from .keys import namespace
+from .identity import namespace_description, namespace_of
+from .layout import PoolLayout
 
 logger = logging.getLogger("vllm.layerwise_patch")
+
+
+def open_backend(config: PoolConfig, fault_role: str | None = None):
+    """The configured backend (``fault_role``: tests' debug_backend_fault
+    applies to this side's operations)."""
+    try:
+        import lmdb  # noqa: F401
+    except ImportError as exc:
+        raise PoolConfigError(
+            "kv_connector_extra_config.backend: 'lmdb' needs the lmdb package: "
+            "pip install 'vllm-layerwise-patch[pool]'") from exc
+    from .backends.lmdb import open_shared
+
+    backend = open_shared(config.path, config.capacity, pin_seconds=config.pin_seconds,
+                          shared_group=config.shared_group)
+    fault = config.debug_backend_fault
+    if fault and fault_role is not None and (fault == "lookup") == (fault_role == "scheduler"):
+        from .backends.base import FaultInjectingBackend
+
+        return FaultInjectingBackend(backend, fault)
+    return backend
 
 
 def _check_engine_config(vllm_config: Any) -> None:
@@ -38,6 +60,12 @@ def _check_engine_config(vllm_config: Any) -> None:
         raise PoolConfigError(
             f"LayerwisePoolConnector: mamba_cache_mode is {cc.mamba_cache_mode!r}; "
             "the pool needs 'align'")
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        raise PoolConfigError(
+            f"LayerwisePoolConnector: pipeline_parallel_size={pp} is not supported (pool "
+            "keys and commit markers cover every layer of a block on one TP rank); "
+            "use tensor parallelism only")
 
 
 class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
@@ -53,24 +81,52 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         _check_engine_config(vllm_config)
         if kv_cache_config is None:
             raise PoolConfigError("LayerwisePoolConnector needs vLLM's kv_cache_config")
-        self.ns = namespace(vllm_config, kv_cache_config, self.pool_config.namespace_salt)
-        self.backend = self.pool_config.make_backend()
+        self.layout = PoolLayout.from_vllm(vllm_config, kv_cache_config)
+        self.namespace_description = namespace_description(
+            vllm_config, kv_cache_config, self.layout, self.pool_config.namespace_salt)
+        self.ns = namespace_of(self.namespace_description)
+        if not self.namespace_description["weights"]["resolved"]:
+            logger.warning("vllm-layerwise-patch pool: the weights behind %r were not found "
+                           "locally; the namespace names the model and revision only (set "
+                           "namespace_salt when weights change under the same name)",
+                           vllm_config.model_config.model)
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.backend = open_backend(self.pool_config,
+                                    "scheduler" if is_scheduler else "worker")
         self._sched = self._worker = None
-        if role == KVConnectorRole.SCHEDULER:
+        if is_scheduler:
             from .scheduler import PoolScheduler
 
-            self._sched = PoolScheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+            self._sched = PoolScheduler(vllm_config=vllm_config, layout=self.layout,
                                         backend=self.backend, namespace=self.ns,
                                         config=self.pool_config)
+            self._describe_namespace()
         else:
             from .worker import PoolWorker
 
-            self._worker = PoolWorker(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+            self._worker = PoolWorker(vllm_config=vllm_config, layout=self.layout,
                                       backend=self.backend, namespace=self.ns,
                                       config=self.pool_config)
-        logger.info("vllm-layerwise-patch pool (%s): %s at %s, namespace %s",
-                    role.name.lower(), self.pool_config.backend, self.pool_config.path,
-                    self.ns.hex())
+        logger.info("vllm-layerwise-patch pool (%s): %s at %s, namespace %s, block %d "
+                    "tokens, prefix hashes every %d", role.name.lower(),
+                    self.pool_config.backend, self.pool_config.path, self.ns.hex(),
+                    self.layout.block_size, self.layout.hash_block_size)
+
+    def _describe_namespace(self) -> None:
+        """Keep the namespace's description next to its entries (JSON), for
+        whoever reads a dump of the pool; best effort."""
+        import json
+
+        from .backends.base import pack
+        from .keys import namespace_key
+
+        try:
+            key = namespace_key(self.ns)
+            if not self.backend.exists_all([key])[0]:
+                text = json.dumps(self.namespace_description, sort_keys=True, indent=1)
+                self.backend.put_many([(key, pack(self.ns, text.encode()))])
+        except Exception:  # noqa: BLE001
+            pass
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

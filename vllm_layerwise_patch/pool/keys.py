@@ -1,29 +1,33 @@
-"""Pool namespace, key format and commit markers.
+"""Pool key format.
 
-One value per (namespace, kind, block-hash chain, TP rank, layer):
+One value per (namespace, kind, block-hash chain, TP rank, layer), and one
+commit marker per (namespace, kind, block hash, TP rank)::
 
-    <ns>/a/<hash>/<tp>/<layer>   attention page of a block
-    <ns>/m/<hash>/<tp>/<layer>   linear-attention state at the block's end
-    <ns>/A/<hash>/<tp>           commit marker: every attention page saved
-    <ns>/M/<hash>/<tp>           commit marker: every boundary state saved
+    <ns>/attn/<hash>/tp<r>/L<layer>     attention K/V page of a block
+    <ns>/state/<hash>/tp<r>/L<layer>    linear-attention state (conv + ssm)
+                                        at the block's end
+    <ns>/attn/<hash>/tp<r>/commit       every attention page of the block saved
+    <ns>/state/<hash>/tp<r>/commit      every boundary-state page saved
 
-vLLM's block hashes chain the whole prefix and do not depend on the model, so
-the namespace carries model identity, dtypes, block size, page layout and TP
-size: two models or layouts never share entries.  Lookups check markers only;
-markers are written in the same transaction as the pages they cover.
+``<hash>`` is vLLM's prefix hash that covers exactly the block's tokens and
+everything before them (see :mod:`.layout`), ``<ns>`` the namespace
+fingerprint (:mod:`.identity`).  Everything before the last ``/`` is the
+entry's *group* - one block's pages of one kind on one rank plus their
+marker: the unit of eviction, recency and pinning, so a block is never
+half-evicted.  Lookups check markers; a marker is written in the same
+transaction as the pages it covers.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
+from collections.abc import Iterable
 from typing import Any
 
-FORMAT = 1
-ATTN, MAMBA = "a", "m"
-_MARKER = {ATTN: "A", MAMBA: "M"}
-
+FORMAT = 2
+ATTN, STATE = "attn", "state"
+KINDS = (ATTN, STATE)
+COMMIT = "commit"
 
 _LAYER = re.compile(r"^(.*?)layers\.(\d+)\.")
 
@@ -53,7 +57,7 @@ def forward_order(name: str) -> tuple[int, int, str]:
     return (1, int(m.group(2)) if m else 0, name)
 
 
-def check_unique_ids(names: list[str]) -> None:
+def check_unique_ids(names: Iterable[str]) -> None:
     seen: dict[str, str] = {}
     for n in names:
         other = seen.setdefault(layer_id(n), n)
@@ -62,61 +66,30 @@ def check_unique_ids(names: list[str]) -> None:
                              f"id {layer_id(n)!r}")
 
 
-def group_kinds(kv_cache_config: Any) -> list[str]:
-    """ATTN or MAMBA for each KV cache group."""
-    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
-
-    kinds = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            spec = next(iter(spec.kv_cache_specs.values()))
-        kinds.append(MAMBA if isinstance(spec, MambaSpec) else ATTN)
-    return kinds
-
-
-def layout_description(kv_cache_config: Any) -> list[dict[str, Any]]:
-    out = []
-    for kind, group in zip(group_kinds(kv_cache_config), kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        out.append({"kind": kind, "layers": list(group.layer_names),
-                    "block_size": getattr(spec, "block_size", None),
-                    "page_size": getattr(spec, "page_size_bytes", None),
-                    "spec": type(spec).__name__})
-    return out
-
-
-def namespace(vllm_config: Any, kv_cache_config: Any, salt: str = "") -> bytes:
-    """16-byte fingerprint of everything that makes pages interchangeable."""
-    mc = vllm_config.model_config
-    try:
-        hf = mc.hf_config.to_json_string(use_diff=False)
-    except Exception:
-        hf = repr(mc.hf_config)
-    desc = {
-        "format": FORMAT,
-        "model": str(mc.model),
-        "revision": getattr(mc, "revision", None),
-        "hf_config": hashlib.sha256(hf.encode()).hexdigest(),
-        "dtype": str(mc.dtype),
-        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
-        "mamba_ssm_dtype": str(getattr(vllm_config.cache_config, "mamba_ssm_cache_dtype", "")),
-        "block_size": vllm_config.cache_config.block_size,
-        "layout": layout_description(kv_cache_config),
-        "tp": vllm_config.parallel_config.tensor_parallel_size,
-        "pp": vllm_config.parallel_config.pipeline_parallel_size,
-        "salt": salt,
-    }
-    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:16]
-
-
 def hash_hex(block_hash: Any) -> str:
     return bytes(block_hash).hex()
 
 
+def group_key(ns: bytes, kind: str, block_hash: Any, tp: int) -> bytes:
+    """The eviction unit of a block's pages of one kind on one TP rank."""
+    return f"{ns.hex()}/{kind}/{hash_hex(block_hash)}/tp{tp}".encode()
+
+
 def page_key(ns: bytes, kind: str, block_hash: Any, tp: int, layer: str) -> bytes:
-    return f"{ns.hex()}/{kind}/{hash_hex(block_hash)}/{tp}/{layer}".encode()
+    return group_key(ns, kind, block_hash, tp) + f"/L{layer}".encode()
 
 
 def marker_key(ns: bytes, kind: str, block_hash: Any, tp: int) -> bytes:
-    return f"{ns.hex()}/{_MARKER[kind]}/{hash_hex(block_hash)}/{tp}".encode()
+    return group_key(ns, kind, block_hash, tp) + f"/{COMMIT}".encode()
+
+
+def group_of(key: bytes) -> bytes:
+    """The group of an entry key (a key without ``/`` is its own group)."""
+    head, sep, _ = bytes(key).rpartition(b"/")
+    return head if sep else bytes(key)
+
+
+def namespace_key(ns: bytes) -> bytes:
+    """Where the namespace's description (JSON) is kept, for people reading
+    a dump of the pool."""
+    return f"{ns.hex()}/meta/namespace".encode()

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from .backends.base import Backend, pack, unpack
+from .backends.base import Backend, PoolFull, pack, unpack
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -61,13 +61,15 @@ LoadItem = tuple[bytes, list[torch.Tensor]]  # key -> every page it fills
 
 class LayerwisePipeline:
     def __init__(self, order: list[str], backend: Backend, namespace: bytes, *,
-                 prefetch: int = 2, threads: int = 2, check_crc: bool = True) -> None:
+                 prefetch: int = 2, threads: int = 2, check_crc: bool = True,
+                 delay: float = 0.0) -> None:
         self.order = list(order)
         self.pos = {name: i for i, name in enumerate(self.order)}
         self.backend = backend
         self.ns = namespace
         self.prefetch = max(1, prefetch)
         self.check_crc = check_crc
+        self.delay = delay  # tests: every layer's load takes this long (seconds)
         self.pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vlp-load")
         self._futures: dict[str, cf.Future] = {}
         self._tasks: dict[str, list[LoadItem]] = {}
@@ -78,25 +80,40 @@ class LayerwisePipeline:
         self.load_seconds = 0.0
         self._gate = None  # device event: compute reached the latest layer
         self._tolerate = False
-        #: (layer, item index, error) of this step's failed items (tolerant mode)
-        self.failures: list[tuple[str, int, Exception]] = []
+        #: (layer, item index, key, error) of this step's failed items (tolerant mode)
+        self.failures: list[tuple[str, int, bytes, Exception]] = []
 
     def _load_layer(self, layer: str, items: list[LoadItem], gate=None) -> int:
         t0 = time.perf_counter()
         try:
             if gate is not None:
                 gate.synchronize()  # do not write ahead of the compute stream
+            if self.delay:
+                time.sleep(self.delay)
             return self._load_items(layer, items)
         finally:
             with self._lock:
                 self.load_seconds += time.perf_counter() - t0
 
+    def _fail(self, layer: str, i: int, key: bytes, dests: list[torch.Tensor],
+              exc: Exception) -> None:
+        """Tolerant mode: the caller recomputes this item's request; its
+        pages get zeros, not half-written bytes (a NaN pattern would reach
+        this step's logits)."""
+        with torch.inference_mode():
+            for dest in dests:
+                dest.zero_()
+        with self._lock:
+            self.failures.append((layer, i, key, exc))
+
     def _load_items(self, layer: str, items: list[LoadItem]) -> int:
         moved = [0]
         tolerate = self._tolerate
+        done: set[int] = set()
 
         def consume(i: int, key: bytes, value) -> None:
             dests = items[i][1]
+            done.add(i)
             try:
                 if value is None:
                     raise LoadError(f"pool entry {key!r} vanished between lookup and load")
@@ -108,16 +125,17 @@ class LayerwisePipeline:
             except Exception as exc:
                 if not tolerate:
                     raise
-                # the caller recomputes this item's request; the pages get
-                # zeros, not half-written bytes (a NaN pattern would reach
-                # this step's logits)
-                with torch.inference_mode():
-                    for dest in dests:
-                        dest.zero_()
-                with self._lock:
-                    self.failures.append((layer, i, exc))
+                self._fail(layer, i, key, dests, exc)
 
-        self.backend.read_many([k for k, _ in items], consume)
+        try:
+            self.backend.read_many([k for k, _ in items], consume)
+        except Exception as exc:
+            if not tolerate:
+                raise
+            # the backend itself failed: every item it did not deliver fails
+            for i, (key, dests) in enumerate(items):
+                if i not in done:
+                    self._fail(layer, i, key, dests, exc)
         return moved[0]
 
     def _submit_until(self, limit: int) -> None:
@@ -142,7 +160,7 @@ class LayerwisePipeline:
 
         With ``tolerate_errors`` a failed item does not raise from
         :meth:`wait`: its destination pages are zeroed and it is listed in
-        :attr:`failures` (layer, item index, error) for the caller to report;
+        :attr:`failures` (layer, item index, key, error) for the caller to report;
         otherwise the first failure raises from :meth:`wait`."""
         self.drain()
         self._gate = None
@@ -212,7 +230,9 @@ def _record_event(device: torch.device | None):
 class SaveQueue:
     """The send thread of the save path (see module doc).  Save failures are
     logged once and counted, never raised into the forward: a missed save
-    only costs a future hit."""
+    only costs a future hit.  A pool with no room (pinned entries fill it, or
+    its filesystem is full) skips the save: counted in ``skipped``, logged
+    once."""
 
     def __init__(self, backend: Backend, namespace: bytes) -> None:
         self.backend = backend
@@ -222,7 +242,8 @@ class SaveQueue:
         self.bytes_saved = 0
         self.seconds = 0.0
         self.failures = 0
-        self._warned = False
+        self.skipped = 0
+        self._warned: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="vlp-send", daemon=True)
         self._thread.start()
 
@@ -274,6 +295,12 @@ class SaveQueue:
                         self.backend.put_many(items)
                         self.bytes_saved += sum(len(v) for _, v in self._items)
                     ok = True
+                except PoolFull as exc:
+                    self.skipped += 1
+                    self._warn("full", "vllm-layerwise-patch pool: no room for this step's "
+                               "saves (%s); they are skipped, outputs are unaffected "
+                               "(further skips are counted as 'Saves skipped', not "
+                               "logged)", exc)
                 except Exception as exc:
                     self._fail(exc)
                 finally:
@@ -282,10 +309,13 @@ class SaveQueue:
                     done.append(ok)
                     ev.set()
 
+    def _warn(self, kind: str, msg: str, *args) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(msg, *args)
+
     def _fail(self, exc: Exception) -> None:
         self.failures += 1
-        if not self._warned:
-            self._warned = True
-            logger.warning("vllm-layerwise-patch pool: a save failed (%s: %s); those "
-                           "blocks are not stored (further failures are counted, "
-                           "not logged)", type(exc).__name__, exc)
+        self._warn("fail", "vllm-layerwise-patch pool: a save failed (%s: %s); those "
+                   "blocks are not stored (further failures are counted, not logged)",
+                   type(exc).__name__, exc)

@@ -1,18 +1,29 @@
 """Scheduler side of the pool connector (engine-core process): hit lookup,
 load/save planning, per-step connector metadata.
 
-With speculative decoding configured (MTP/EAGLE) the final block of every
-hit is trimmed (a conservative rule until finer MTP rules exist).
-
 A hybrid hit of ``k`` blocks needs, for every TP rank, the attention pages of
-blocks ``0..k-1`` and the linear-attention state at the end of block ``k-1``
-(DESIGN §7-§8).  The lookup walks the request's block hashes while the
-attention commit marker exists, then takes the longest prefix of that run
-whose last block has a boundary-state marker; it is capped at
-``(num_tokens - 1) // block`` so one token is always computed.  With
+blocks ``local..k-1`` and the linear-attention state at the end of block
+``k-1`` (DESIGN §7-§8).  The lookup walks the request's pool blocks (named as
+in :mod:`.layout`) while the attention commit marker exists, then takes the
+longest prefix of that run whose last block has a boundary-state marker; it is
+capped at ``(num_tokens - 1) // block`` so one token is always computed.  With
 ``verify_on_lookup`` the entries behind a hit are read and checked (length,
-checksum, namespace) before the hit is reported, so a corrupted entry
-shortens the hit (those blocks are recomputed) instead of reaching the model.
+checksum, namespace) before the hit is reported: a damaged or missing page
+shortens the hit and drops its whole block (pages and marker) from the pool,
+so that block is saved again when it is next computed.
+
+A reported hit pins (and refreshes) every group its load reads, per request:
+eviction never takes them while the load is pending.  Each worker releases
+its own rank's pins once its load has finished; the scheduler releases any
+left when the request finishes; ``pin_seconds`` bounds a pin if an engine
+dies.
+
+With speculative decoding configured (MTP/EAGLE) the final block of every
+hit is trimmed: the drafter's KV at a hit's last position depends on the
+token after the hit.
+
+Any backend error during a lookup is a miss (logged once); during save
+planning the step's saves are skipped.  The engine never stops for the pool.
 """
 
 from __future__ import annotations
@@ -24,7 +35,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .backends.base import CorruptEntry, unpack
-from .keys import ATTN, MAMBA, check_unique_ids, group_kinds, layer_id, marker_key, page_key
+from .keys import ATTN, STATE, group_key, marker_key, page_key
+from .layout import PoolLayout
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -34,17 +46,17 @@ class LoadSpec:
     req_id: str
     start: int  # first block to load (the block-aligned local hit)
     end: int  # blocks [start, end) are loaded; the state at end-1
-    hashes: list[bytes]  # block hashes of [start, end)
+    hashes: list[bytes]  # pool block hashes of [start, end)
     attn_blocks: dict[int, list[int]]  # attention group -> block ids of [start, end)
-    mamba_blocks: dict[int, int]  # mamba group -> block id of column end-1
-    running_blocks: dict[int, int]  # mamba group -> block id of this step's running column
+    mamba_blocks: dict[int, int]  # state group -> block id of column end-1
+    running_blocks: dict[int, int]  # state group -> block id of this step's running column
 
 
 @dataclasses.dataclass
 class SaveSpec:
     req_id: str
-    attn: list[tuple[bytes, dict[int, int]]]  # (hash, attention group -> block id)
-    mamba: list[tuple[bytes, dict[int, int]]]  # (hash, mamba group -> block id)
+    attn: list[tuple[bytes, dict[int, int]]]  # (block hash, attention group -> block id)
+    mamba: list[tuple[bytes, dict[int, int]]]  # (block hash, state group -> block id)
 
 
 class PoolMetadata(KVConnectorMetadata):
@@ -64,28 +76,35 @@ class _Tracked:
     loaded_end: int = 0
 
 
+def owner_of(req_id: str) -> bytes:
+    """Pin owner of a request's pending load."""
+    return req_id.encode()
+
+
+def load_groups(ns: bytes, hashes: list[bytes], tp_ranks: range | list[int],
+                has_state: bool) -> list[bytes]:
+    """Every group a load of ``hashes`` (state at the last one) reads."""
+    out = [group_key(ns, ATTN, h, tp) for h in hashes for tp in tp_ranks]
+    if has_state and hashes:
+        out += [group_key(ns, STATE, hashes[-1], tp) for tp in tp_ranks]
+    return out
+
+
 class PoolScheduler:
-    def __init__(self, *, vllm_config: Any, kv_cache_config: Any, backend: Any,
+    def __init__(self, *, vllm_config: Any, layout: PoolLayout, backend: Any,
                  namespace: bytes, config: Any) -> None:
         self.backend = backend
         self.ns = namespace
         self.config = config
-        self.block_size = vllm_config.cache_config.block_size
-        # MTP/EAGLE drafts rewrite state in the final block of a hit; until a
-        # finer rule exists, trim one block off every external hit.
+        self.layout = layout
+        self.block_size = layout.block_size
+        # MTP/EAGLE: the drafter's KV at a hit's last position depends on the
+        # token after the hit: trim one block off every external hit.
         self.trim_blocks = 1 if getattr(vllm_config, "speculative_config", None) else 0
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.kinds = group_kinds(kv_cache_config)
-        self.groups = kv_cache_config.kv_cache_groups
-        self.layers: dict[str, list[str]] = {ATTN: [], MAMBA: []}  # layer ids per kind
-        names = {ATTN: [], MAMBA: []}
-        for kind, group in zip(self.kinds, self.groups):
-            names[kind] += list(group.layer_names)
-        for kind, layer_names in names.items():
-            check_unique_ids(layer_names)
-            self.layers[kind] = [layer_id(n) for n in layer_names]
-        self.page_sizes = {kind: None for kind in (ATTN, MAMBA)}
+        self.tp_size = layout.tp_size
+        self.layers = {ATTN: layout.layer_ids(ATTN), STATE: layout.layer_ids(STATE)}
         self._pending: dict[str, int] = {}  # req_id -> hit blocks (lookup -> alloc)
+        self._pinned: dict[str, list[bytes]] = {}  # req_id -> groups pinned for its load
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._warned: set[str] = set()
@@ -94,6 +113,11 @@ class PoolScheduler:
         self.failure_policy = getattr(ktc, "kv_load_failure_policy", None) or "fail"
         self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0}
 
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(msg, *args)
+
     # -- lookup ----------------------------------------------------------------
     def _present(self, kind: str, hashes: list[bytes]) -> list[bool]:
         keys = [marker_key(self.ns, kind, h, tp) for h in hashes for tp in range(self.tp_size)]
@@ -101,85 +125,105 @@ class PoolScheduler:
         t = self.tp_size
         return [all(found[i * t:(i + 1) * t]) for i in range(len(hashes))]
 
-    def _warn_corrupt(self, err: CorruptEntry) -> None:
-        if err.kind not in self._warned:
-            self._warned.add(err.kind)
-            logger.warning(
-                "vllm-layerwise-patch pool: %s; the entry is dropped and those "
-                "blocks are recomputed (further '%s' entries are not logged)",
-                err, err.kind)
-
     def _verify(self, hashes: list[bytes], local: int, run: int,
                 state_ok: list[bool]) -> tuple[list[bool], list[bool]]:
         """Read and check every entry a hit inside blocks ``[local, run)`` could
         load, in one batch: attention pages of each block and the boundary
-        state of each block that has a marker.  Returns per block
-        (attention sound, boundary state sound); corrupt entries are dropped
-        from the pool and logged once per kind."""
-        keys: list[tuple[int, str, bytes]] = []
+        state of each block that has a marker.  Returns per block (attention
+        sound, boundary state sound).  A damaged or missing page drops its
+        whole group (the block's pages of that kind and its marker), so the
+        block is saved again when next computed; damage is logged once per
+        kind."""
+        keys: list[tuple[int, str, int, bytes]] = []
         for i in range(local, run):
             for tp in range(self.tp_size):
-                keys += [(i, ATTN, page_key(self.ns, ATTN, hashes[i], tp, layer))
+                keys += [(i, ATTN, tp, page_key(self.ns, ATTN, hashes[i], tp, layer))
                          for layer in self.layers[ATTN]]
                 if state_ok[i]:
-                    keys += [(i, MAMBA, page_key(self.ns, MAMBA, hashes[i], tp, layer))
-                             for layer in self.layers[MAMBA]]
-        values = self.backend.get_many([key for _, _, key in keys])
-        attn_sound = [True] * run
-        state_sound = list(state_ok)
-        for (i, kind, key), value in zip(keys, values):
+                    keys += [(i, STATE, tp, page_key(self.ns, STATE, hashes[i], tp, layer))
+                             for layer in self.layers[STATE]]
+        sound = {ATTN: [True] * run, STATE: list(state_ok)}
+        broken: set[bytes] = set()
+
+        def check(j: int, key: bytes, value: Any) -> None:
+            i, kind, tp, _ = keys[j]
             try:
                 if value is None:
-                    raise CorruptEntry("missing", key, "evicted or never committed")
+                    raise CorruptEntry("missing", key, "evicted or never stored")
                 unpack(key, value, self.ns)
             except CorruptEntry as err:
-                if err.kind != "missing":
-                    self._warn_corrupt(err)
-                    self._drop(hashes[i], kind, key)
-                if kind == ATTN:
-                    attn_sound[i] = False
+                if err.kind == "missing":
+                    self._warn_once("missing", "vllm-layerwise-patch pool: %s; its block is "
+                                    "dropped and recomputed (further missing pages are "
+                                    "not logged)", err)
                 else:
-                    state_sound[i] = False
-        return attn_sound, state_sound
+                    self._warn_once(err.kind, "vllm-layerwise-patch pool: %s; the entry "
+                                    "is dropped and those blocks are recomputed (further "
+                                    "'%s' entries are not logged)", err, err.kind)
+                broken.add(group_key(self.ns, kind, hashes[i], tp))
+                sound[kind][i] = False
 
-    def _drop(self, block_hash: bytes, kind: str, key: bytes) -> None:
-        self.backend.delete([key] + [marker_key(self.ns, kind, block_hash, tp)
-                                     for tp in range(self.tp_size)])
+        self.backend.read_many([k for *_, k in keys], check)
+        if broken:
+            self.backend.delete_groups(sorted(broken))
+        return sound[ATTN], sound[STATE]
 
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
-        """Hit length in blocks (0 when the pool cannot beat the local hit)."""
-        B = self.block_size
-        hashes = list(request.block_hashes)
-        n = min(len(hashes), max(0, (request.num_tokens - 1) // B))
+        """Hit length in pool blocks (0 when the pool cannot beat the local hit)."""
+        L, B = self.layout, self.block_size
+        hashes = request.block_hashes
+        if not L.hashes_match(hashes, request.num_tokens):
+            self._warn_once(
+                "granularity", "vllm-layerwise-patch pool: request %s has %d prefix hashes "
+                "for %d tokens, not one per %d tokens as the pool layout says; it is not "
+                "looked up (further mismatches are not logged)", request.request_id,
+                len(hashes), request.num_tokens, L.hash_block_size)
+            return 0
+        n = min(L.num_blocks(hashes), max(0, (request.num_tokens - 1) // B))
         local = num_computed_tokens // B
         if n <= local:
             return 0
-        attn_ok = self._present(ATTN, hashes[:n])
-        run = next((i for i, ok in enumerate(attn_ok) if not ok), n)
-        state_ok = self._present(MAMBA, hashes[:run]) if self.layers[MAMBA] else [True] * run
+        blocks = L.block_hashes(hashes, 0, n)
+        attn_ok = self._present(ATTN, blocks[local:n])
+        run = local + next((i for i, ok in enumerate(attn_ok) if not ok), n - local)
+        state_ok = [False] * local + (self._present(STATE, blocks[local:run])
+                                      if L.has_state else [True] * (run - local))
         if self.config.verify_on_lookup and run > local:
-            attn_sound, state_ok = self._verify(hashes, local, run, state_ok)
+            attn_sound, state_ok = self._verify(blocks, local, run, state_ok)
             run = next((i for i in range(local, run) if not attn_sound[i]), run)
         k = run - self.trim_blocks
         while k > local and not state_ok[k - 1]:
             k -= 1
-        if k <= local:
-            return 0
-        self.backend.touch(
-            [marker_key(self.ns, kind, hashes[i], tp) for kind in (ATTN, MAMBA)
-             for i in range(local, k) for tp in range(self.tp_size)])
-        return k
+        return k if k > local else 0
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         self.stats["lookups"] += 1
         self.stats["query_tokens"] += max(0, request.num_tokens - num_computed_tokens)
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request, []))
+        rid = request.request_id
+        tracked = self._tracked.setdefault(rid, _Tracked(request, []))
         tracked.loaded_end = 0  # (again, after a preemption)
-        k = self.lookup(request, num_computed_tokens)
-        if k == 0:
-            self._pending.pop(request.request_id, None)
+        self._pending.pop(rid, None)
+        try:
+            k = self.lookup(request, num_computed_tokens)
+            groups = []
+            if k:
+                B, L = self.block_size, self.layout
+                hashes = L.block_hashes(request.block_hashes, num_computed_tokens // B, k)
+                groups = load_groups(self.ns, hashes, range(self.tp_size), L.has_state)
+                self.backend.pin(groups, self.config.pin_seconds, owner_of(rid))
+            stale = set(self._pinned.pop(rid, [])) - set(groups)
+            if stale:
+                self.backend.unpin(sorted(stale), owner_of(rid))
+            if groups:
+                self._pinned[rid] = groups
+        except Exception as exc:  # noqa: BLE001 - the pool never stops the engine
+            self._warn_once("lookup-error", "vllm-layerwise-patch pool: a lookup failed "
+                            "(%s: %s); treated as a miss, the request is computed (further "
+                            "lookup errors are not logged)", type(exc).__name__, exc)
             return 0, False
-        self._pending[request.request_id] = k
+        if k == 0:
+            return 0, False
+        self._pending[rid] = k
         # load_async=False: loads must start before this step's forward.
         return k * self.block_size - num_computed_tokens, False
 
@@ -190,9 +234,10 @@ class PoolScheduler:
         B = self.block_size
         start = k - num_external_tokens // B
         block_ids = blocks.get_block_ids()
-        hashes = [bytes(h) for h in request.block_hashes[start:k]]
-        attn = {g: list(ids[start:k]) for g, ids in enumerate(block_ids) if self.kinds[g] == ATTN}
-        mamba = {g: ids[k - 1] for g, ids in enumerate(block_ids) if self.kinds[g] == MAMBA}
+        hashes = self.layout.block_hashes(request.block_hashes, start, k)
+        kinds = self.layout.kinds
+        attn = {g: list(ids[start:k]) for g, ids in enumerate(block_ids) if kinds[g] == ATTN}
+        mamba = {g: ids[k - 1] for g, ids in enumerate(block_ids) if kinds[g] == STATE}
         self._loads.append(LoadSpec(request.request_id, start, k, hashes, attn, mamba, {}))
         self.stats["hit_tokens"] += num_external_tokens
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request, []))
@@ -231,38 +276,51 @@ class PoolScheduler:
             t = self._tracked[spec.req_id]
             spec.running_blocks = {g: t.blocks[g][col] for g in spec.mamba_blocks
                                    if col < len(t.blocks[g])}
+        try:
+            saves = self._plan_saves(steps)
+        except Exception as exc:  # noqa: BLE001 - a missed save only costs a hit
+            self._warn_once("save-plan-error", "vllm-layerwise-patch pool: planning saves "
+                            "failed (%s: %s); this step's blocks are not stored (further "
+                            "errors are not logged)", type(exc).__name__, exc)
+            saves = []
+        return PoolMetadata(loads, saves, self.report_load_errors())
+
+    def _plan_saves(self, steps: list[tuple[str, int, int]]) -> list[SaveSpec]:
+        B, L = self.block_size, self.layout
         saves = []
         for req_id, before, n in steps:
             if n <= 0:
                 continue
             t = self._tracked[req_id]
             hashes = t.request.block_hashes
+            nblocks = L.num_blocks(hashes)
             after = before + n
             first = max(before // B, t.loaded_end)
-            done = [j for j in range(first, after // B) if j < len(hashes)]
+            done = [j for j in range(first, after // B) if j < nblocks]
             attn, mamba = [], []
             if done:
-                have = self._present(ATTN, [hashes[j] for j in done])
-                for j, present in zip(done, have):
+                names = [L.block_hash(hashes, j) for j in done]
+                for j, h, present in zip(done, names, self._present(ATTN, names)):
                     if not present:
-                        attn.append((bytes(hashes[j]), self._ids(t, j, ATTN)))
-            if after % B == 0 and self.layers[MAMBA]:
+                        attn.append((h, self._ids(t, j, ATTN)))
+            if after % B == 0 and L.has_state:
                 j = after // B - 1
-                ids = self._ids(t, j, MAMBA) if j < len(hashes) else {}
+                ids = self._ids(t, j, STATE) if j < nblocks else {}
                 # block 0 is vLLM's null block: no state lives there
-                if (j >= t.loaded_end and ids and 0 not in ids.values()
-                        and not self._present(MAMBA, [hashes[j]])[0]):
-                    mamba.append((bytes(hashes[j]), ids))
+                if j >= t.loaded_end and ids and 0 not in ids.values():
+                    h = L.block_hash(hashes, j)
+                    if not self._present(STATE, [h])[0]:
+                        mamba.append((h, ids))
             if attn or mamba:
                 saves.append(SaveSpec(req_id, attn, mamba))
-        return PoolMetadata(loads, saves, self.report_load_errors())
+        return saves
 
     def report_load_errors(self) -> bool:
         """vLLM takes block load errors itself for one KV cache group; for
         hybrid layouts only with the ``hybrid-load-recompute`` patch applied
         in this (the scheduler's) process.  Decided once, logged once."""
         if self._report_errors is None:
-            if len(self.groups) <= 1:
+            if len(self.layout.kinds) <= 1:
                 self._report_errors = True
             else:
                 try:
@@ -287,9 +345,16 @@ class PoolScheduler:
         return self._report_errors
 
     def _ids(self, t: _Tracked, col: int, kind: str) -> dict[int, int]:
-        return {g: t.blocks[g][col] for g in range(len(self.kinds))
-                if self.kinds[g] == kind and col < len(t.blocks[g])}
+        return {g: t.blocks[g][col] for g in self.layout.groups(kind)
+                if col < len(t.blocks[g])}
 
     def request_finished(self, request: Any) -> None:
-        self._tracked.pop(request.request_id, None)
-        self._pending.pop(request.request_id, None)
+        rid = request.request_id
+        self._tracked.pop(rid, None)
+        self._pending.pop(rid, None)
+        groups = self._pinned.pop(rid, None)
+        if groups:
+            try:
+                self.backend.unpin(groups, owner_of(rid))
+            except Exception:  # noqa: BLE001 - pins expire after pin_seconds anyway
+                pass

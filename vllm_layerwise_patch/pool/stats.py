@@ -15,7 +15,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
-            "bytes_saved", "save_seconds", "blocks_saved", "load_failures")
+            "bytes_saved", "save_seconds", "blocks_saved", "load_failures",
+            "saves_skipped", "save_failures", "evictions")
 
 
 @dataclasses.dataclass
@@ -53,4 +54,7 @@ class PoolStats(KVConnectorStats):
             if d["save_seconds"] else 0.0,
             "Blocks saved": int(d["blocks_saved"]),
             "Requests with failed loads": int(d["load_failures"]),
+            "Saves skipped (pool full)": int(d["saves_skipped"]),
+            "Failed saves": int(d["save_failures"]),
+            "Blocks evicted": int(d["evictions"]),
         }

@@ -19,6 +19,12 @@ host memory while later layers compute; at the end of the step
 (``wait_for_save``) the queue is drained and the pages and their commit
 markers are written in one backend transaction.  A block whose layers were
 not all saved gets no marker, so lookups never see it.
+
+Faults: a load that fails (a backend error, an entry evicted or damaged
+after the lookup) takes vLLM's load-failure path (the request recomputes) and
+drops that block from the pool; a save that fails or finds the pool full of
+pinned entries is skipped and counted.  Once a step's loads are done, this
+rank releases the pins the scheduler took for them.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from typing import Any
 import torch
 
 from ..copy_protocol import COPY_FOR_LAYER
-from .keys import ATTN, MAMBA, forward_order, group_kinds, layer_id, marker_key, page_key
+from .config import PoolConfigError
+from .keys import ATTN, STATE, group_of, layer_id, marker_key, page_key
+from .layout import PoolLayout
 from .pipeline import LayerwisePipeline, LoadItem, SaveQueue
-from .scheduler import PoolMetadata
+from .scheduler import PoolMetadata, load_groups, owner_of
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -51,27 +59,32 @@ def layerwise_patches_applied() -> tuple[bool, str]:
     return True, "overlay patches applied"
 
 
+def resolve_tp_rank(tp_size: int) -> int:
+    """This worker's TP rank; with TP > 1 an unresolvable rank is a startup
+    error (ranks would overwrite each other's pages)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception as exc:
+        if tp_size > 1:
+            raise PoolConfigError(
+                f"LayerwisePoolConnector: cannot tell this worker's tensor-parallel rank "
+                f"(TP size {tp_size}): {type(exc).__name__}: {exc}") from None
+        return 0
+
+
 class PoolWorker:
-    def __init__(self, *, vllm_config: Any, kv_cache_config: Any, backend: Any,
+    def __init__(self, *, vllm_config: Any, layout: PoolLayout, backend: Any,
                  namespace: bytes, config: Any) -> None:
         self.backend = backend
         self.ns = namespace
         self.config = config
-        self.kv_cache_config = kv_cache_config
-        try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            self.tp_rank = get_tensor_model_parallel_rank()
-        except Exception:
-            self.tp_rank = 0
-        kinds = group_kinds(kv_cache_config)
-        self.layer_group: dict[str, int] = {}
-        self.layer_kind: dict[str, str] = {}
-        for g, (kind, group) in enumerate(zip(kinds, kv_cache_config.kv_cache_groups)):
-            for name in group.layer_names:
-                self.layer_group[name] = g
-                self.layer_kind[name] = kind
-        self.block_size = vllm_config.cache_config.block_size
+        self.layout = layout
+        self.tp_rank = resolve_tp_rank(layout.tp_size)
+        self.layer_group = layout.layer_group
+        self.layer_kind = layout.layer_kind
+        self.block_size = layout.block_size
         self.caches: dict[str, torch.Tensor] = {}
         self.order: list[str] = []
         self.layerwise = False
@@ -84,17 +97,18 @@ class PoolWorker:
         self._owners: dict[str, list[str]] = {}
         self._failed_reqs: set[str] = set()
         self._debug_failed = False
-        self._warned_load_failure = False
+        self._warned: set[str] = set()
         from .stats import PoolStats
 
         self.stats = PoolStats()
         self._reported = {"bytes_loaded": 0, "wait_seconds": 0.0, "load_seconds": 0.0,
-                          "bytes_saved": 0, "save_seconds": 0.0}
+                          "bytes_saved": 0, "save_seconds": 0.0, "saves_skipped": 0,
+                          "save_failures": 0, "evictions": 0}
 
     # -- layout ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.caches = {n: t for n, t in kv_caches.items() if n in self.layer_group}
-        self.order = sorted(self.caches, key=forward_order)
+        self.order = [n for n in self.layout.order if n in self.caches]
         for name in self.order:  # fail at startup, not mid-request
             page = self.caches[name][0]
             if not page.is_contiguous():
@@ -113,7 +127,8 @@ class PoolWorker:
                                           threads=self.config.load_threads,
                                           # the lookup already checked every
                                           # checksum a hit relies on
-                                          check_crc=not self.config.verify_on_lookup)
+                                          check_crc=not self.config.verify_on_lookup,
+                                          delay=self.config.debug_load_delay_ms / 1e3)
         self.saver = SaveQueue(self.backend, self.ns)
         self.device = next(iter(self.caches.values())).device if self.caches else None
 
@@ -144,7 +159,7 @@ class PoolWorker:
                     running = spec.running_blocks.get(g)
                     if bulk and running is not None and running != spec.mamba_blocks[g]:
                         dests.append(self.page(layer, running))
-                    items.append((page_key(self.ns, MAMBA, spec.hashes[-1], self.tp_rank, idx),
+                    items.append((page_key(self.ns, STATE, spec.hashes[-1], self.tp_rank, idx),
                                   dests))
                     owners.append(spec.req_id)
         return tasks
@@ -184,24 +199,47 @@ class PoolWorker:
             tasks[layer] = [(b"\0debug-missing/" + k, d) for k, d in tasks[layer]]
         return tasks
 
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(msg, *args)
+
     def _collect_failures(self) -> set[str]:
-        """Requests whose loads failed this step (tolerant mode)."""
+        """Requests whose loads failed this step (tolerant mode); the blocks
+        behind a failed item are dropped from the pool (so they are saved
+        again when recomputed)."""
         if self.pipeline is None or not self.pipeline.failures:
             return self._failed_reqs
-        for layer, i, exc in self.pipeline.failures:
+        broken = set()
+        for layer, i, key, exc in self.pipeline.failures:
             req = self._owners.get(layer, [])[i]
+            if not key.startswith(b"\0"):  # (a debug_fail_load_layer key)
+                broken.add(group_of(key))
             if req not in self._failed_reqs:
                 self._failed_reqs.add(req)
                 self.stats.add(load_failures=1)
-                if not self._warned_load_failure:
-                    self._warned_load_failure = True
-                    logger.warning(
-                        "vllm-layerwise-patch pool: a load failed (%s: %s); request %s "
-                        "is handed back to vLLM's kv_load_failure_policy (recompute or "
-                        "fail) and its pages are not used (further failures are "
-                        "counted in the metrics, not logged)", type(exc).__name__, exc, req)
+                self._warn_once(
+                    "load", "vllm-layerwise-patch pool: a load failed (%s: %s); request %s "
+                    "is handed back to vLLM's kv_load_failure_policy (recompute or fail) "
+                    "and its pages are not used (further failures are counted in the "
+                    "metrics, not logged)", type(exc).__name__, exc, req)
         self.pipeline.failures = []
+        if broken:
+            try:
+                self.backend.delete_groups(sorted(broken))
+            except Exception:  # noqa: BLE001 - best effort; the lookup drops them too
+                pass
         return self._failed_reqs
+
+    def _release_pins(self, meta: PoolMetadata) -> None:
+        """This rank has read what its loads needed: release the scheduler's
+        pins on this rank's groups."""
+        for spec in meta.loads:
+            groups = load_groups(self.ns, spec.hashes, [self.tp_rank], self.layout.has_state)
+            try:
+                self.backend.unpin(groups, owner_of(spec.req_id))
+            except Exception:  # noqa: BLE001 - pins expire after pin_seconds anyway
+                pass
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Every block id (all groups) of this step's loads that failed: the
@@ -221,8 +259,12 @@ class PoolWorker:
         if not self.layerwise:
             return
         # A load that fails here (entry removed or damaged after the lookup
-        # verified it) raises: vLLM 0.32 cannot take block load errors for
-        # hybrid layouts, and the forward must not run on a wrong state.
+        # verified it) raises unless vLLM can take the error (tolerant mode:
+        # zeroed pages, reported, the request recomputes): the forward must
+        # not run on a wrong state.
+        if self.config.debug_copy_before_wait and self._model_state is not None:
+            # negative control (tests): copy the state before it has arrived
+            getattr(self._model_state, COPY_FOR_LAYER)(layer)
         self.pipeline.wait(layer)
         if self._model_state is not None:
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
@@ -271,6 +313,8 @@ class PoolWorker:
         if self.layerwise:
             self.pipeline.drain()
         failed = self._collect_failures()
+        if meta.loads:
+            self._release_pins(meta)
         # a request whose load failed computed on zeroed pages: none of its
         # pages may reach the pool
         saves = [s for s in meta.saves if s.req_id not in failed]
@@ -284,7 +328,7 @@ class PoolWorker:
         if meta.saves:
             markers, blocks_saved = [], 0
             for kind, blocks in ((ATTN, [b for s in saves for b in s.attn]),
-                                 (MAMBA, [b for s in saves for b in s.mamba])):
+                                 (STATE, [b for s in saves for b in s.mamba])):
                 layers = [n for n in self.order if self.layer_kind[n] == kind]
                 if not blocks or not all(n in self._saved_layers for n in layers):
                     continue  # incomplete: no marker, lookups never see it
@@ -297,7 +341,9 @@ class PoolWorker:
             p, q = self.pipeline, self.saver
             now = {"bytes_loaded": p.bytes_loaded, "wait_seconds": p.wait_seconds,
                    "load_seconds": p.load_seconds, "bytes_saved": q.bytes_saved,
-                   "save_seconds": q.seconds}
+                   "save_seconds": q.seconds, "saves_skipped": q.skipped,
+                   "save_failures": q.failures,
+                   "evictions": getattr(self.backend, "evicted_groups", 0)}
             self.stats.add(**{k: now[k] - self._reported[k] for k in now})
             self._reported = now
 

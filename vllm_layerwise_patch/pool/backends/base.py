@@ -6,8 +6,19 @@ A value is raw bytes behind a fixed header - never pickle::
     crc32 u32 | namespace 16 bytes                                    (36 bytes)
 
 ``length`` and ``crc32`` cover the payload; ``namespace`` is the pool
-namespace fingerprint (model, dtype, block size, layout, TP size), so an entry
-written by another model or layout is recognised even under a colliding key.
+namespace fingerprint, so an entry written for another model or layout is
+recognised even under a colliding key.
+
+Entries are grouped (:func:`..keys.group_of`: everything before a key's last
+``/``): a block's pages of one kind on one rank and their commit marker.
+Recency, pins and eviction work on whole groups, so a block is never
+half-evicted and a marker never outlives its pages.
+
+Faults: a backend raises :class:`BackendError` (or lets its own error out);
+callers turn any error into a miss (lookup), the load-failure path (load) or
+a skipped save (save).  :class:`PoolFull` says a put found no room even after
+eviction - pinned entries fill the pool, or the filesystem is full - and is
+counted as a skipped save.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from __future__ import annotations
 import abc
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 MAGIC = b"VLPV"
 VERSION = 1
@@ -31,6 +42,14 @@ class CorruptEntry(ValueError):
         super().__init__(f"pool entry {key!r}: {kind}: {detail}")
         self.kind = kind
         self.key = key
+
+
+class BackendError(RuntimeError):
+    """A backend operation failed (I/O, server, injected fault)."""
+
+
+class PoolFull(BackendError):
+    """No room for a put, even after eviction: the save is skipped."""
 
 
 def pack(namespace: bytes, payload: bytes | memoryview, kind: int = 0) -> bytes:
@@ -63,6 +82,9 @@ def unpack(key: bytes, value: bytes | memoryview, namespace: bytes,
     return payload
 
 
+Consumer = Callable[[int, bytes, "bytes | memoryview | None"], None]
+
+
 class Backend(abc.ABC):
     """Key/value store of raw bytes, safe for several processes."""
 
@@ -74,7 +96,7 @@ class Backend(abc.ABC):
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         """Values (with header) or None when absent."""
 
-    def read_many(self, keys: list[bytes], consume) -> None:
+    def read_many(self, keys: list[bytes], consume: Consumer) -> None:
         """Call ``consume(index, key, value_or_None)`` for each key.  A backend
         may pass zero-copy views that are valid only during the call."""
         for i, (k, v) in enumerate(zip(keys, self.get_many(keys))):
@@ -82,16 +104,87 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Store all items atomically (readers see all or none)."""
+        """Store all items atomically (readers see all or none); evicts
+        least recently used unpinned groups when full; raises PoolFull when
+        no room can be made."""
 
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Mark keys as recently used (eviction order); optional."""
+    def touch(self, groups: Iterable[bytes]) -> None:
+        """Mark whole groups as just used (eviction order)."""
+
+    def pin(self, groups: Iterable[bytes], seconds: float, owner: bytes = b"") -> None:
+        """Never evict these groups until ``owner`` unpins them or ``seconds``
+        pass (a pending load reads them); also marks them as just used.
+        Several owners may pin one group; it is evictable once none does."""
+
+    def unpin(self, groups: Iterable[bytes], owner: bytes = b"") -> None:
+        """Release ``owner``'s :meth:`pin`."""
 
     def delete(self, keys: Iterable[bytes]) -> None:
-        """Remove keys (corrupt entries); optional."""
+        """Remove exact keys."""
+
+    def delete_groups(self, groups: Iterable[bytes]) -> None:
+        """Remove whole groups (a damaged or missing page drops its block)."""
 
     def stats(self) -> dict[str, int]:
         return {}
 
     def close(self) -> None:
         pass
+
+
+class FaultInjectingBackend(Backend):
+    """Tests only (``debug_backend_fault``): the named operations raise
+    BackendError, as a backend failing at that point would."""
+
+    _OPS = {"lookup": ("exists_all", "get_many", "read_many"),
+            "load": ("get_many", "read_many"),
+            "save": ("put_many",)}
+
+    def __init__(self, inner: Backend, fault: str) -> None:
+        self.inner = inner
+        self.fault = fault
+        self.failing = set(self._OPS[fault])
+
+    def _check(self, op: str) -> None:
+        if op in self.failing:
+            raise BackendError(f"injected fault in {op} (debug_backend_fault={self.fault!r})")
+
+    def exists_all(self, keys):
+        self._check("exists_all")
+        return self.inner.exists_all(keys)
+
+    def get_many(self, keys):
+        self._check("get_many")
+        return self.inner.get_many(keys)
+
+    def read_many(self, keys, consume):
+        self._check("read_many")
+        return self.inner.read_many(keys, consume)
+
+    def put_many(self, items):
+        self._check("put_many")
+        return self.inner.put_many(items)
+
+    def touch(self, groups):
+        return self.inner.touch(groups)
+
+    def pin(self, groups, seconds, owner=b""):
+        return self.inner.pin(groups, seconds, owner)
+
+    def unpin(self, groups, owner=b""):
+        return self.inner.unpin(groups, owner)
+
+    def delete(self, keys):
+        return self.inner.delete(keys)
+
+    def delete_groups(self, groups):
+        return self.inner.delete_groups(groups)
+
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self):
+        return self.inner.close()
+
+    def __getattr__(self, name):  # counters and the like
+        return getattr(self.inner, name)

@@ -1,18 +1,35 @@
-"""Embedded pool backend on LMDB: no server, several processes, LRU eviction.
+"""Embedded pool backend on LMDB: no server, several processes, LRU eviction
+of whole groups (blocks).
 
-One LMDB environment (a directory; default under /dev/shm, so the file is
-RAM) with two databases: ``data`` (key -> header+payload) and ``atime`` (key ->
-8-byte big-endian use counter, for eviction).  Puts run in one write
-transaction (atomic).  When the map would overflow the least recently used entries are deleted in one transaction;
-LMDB reuses freed pages only after a *later* write transaction commits, so
-eviction is followed by a tiny write transaction before the insert is retried
-(shared/reference/backends.md).  Entries touched within ``pin_seconds`` are
-never evicted: the scheduler touches what it reports as a hit, so the worker
-finds it moments later.
+One LMDB environment (a directory; by default a per-user one under /dev/shm,
+so the file is RAM) with four databases:
+
+* ``data``: key -> header + payload;
+* ``groups``: group -> (last use, bytes) - a group is a block's pages of one
+  kind on one rank and its commit marker (:func:`..keys.group_of`);
+* ``lru``: (last use, group) -> "" - the access-time index, so eviction reads
+  the oldest groups first without scanning or sorting the table;
+* ``pins``: group -> expiry - groups a pending load reads.
+
+A put runs in one write transaction (atomic).  When the map is full, the
+least recently used unpinned groups are chosen and deleted in one write
+transaction (access times read inside it), then one or two tiny write
+transactions let LMDB reuse the freed pages (it does so only after a later
+commit), then the put is retried.  If pinned groups leave no room, or the
+filesystem under the pool is full, the put raises PoolFull: the caller skips
+that save.
+
+Across processes: engines opening one path with different ``capacity`` share
+the largest map (a process that finds the map grown adopts it); reader slots
+left by killed processes are cleared (LMDB's reader check) at open and before
+each eviction, so old pages do not stay pinned; a pool path on a filesystem
+smaller than ``capacity`` is refused at startup.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import struct
@@ -20,26 +37,63 @@ import threading
 import time
 from collections.abc import Iterable
 
-from .base import Backend
+from ..config import PREFIX, PoolConfigError
+from ..keys import group_of
+from ..security import fix_file_modes, prepare_pool_dir
+from .base import Backend, BackendError, PoolFull
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
-_U64 = struct.Struct(">Q")
-_T = struct.Struct(">d")
-_TICK = b"\0vlp-evict-tick"
+_T = struct.Struct(">d")  # big-endian positive doubles sort by value
+_GROUP = struct.Struct(">dQ")  # last use, bytes
+_TICK = b"\0vlp-tick"
+_PIN_SEP = b"\0"  # pins: group NUL owner -> expiry (one pin per pending load)
 
 
-def default_path() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.join(
-        os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "vllm-layerwise-pool")
+class _Gate:
+    """Shared/exclusive gate: every transaction holds it shared; adopting a
+    map grown by another process needs it exclusive (LMDB's set_mapsize
+    wants no live transaction in this process)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while self._shared:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
 
 
-_SHARED: dict[tuple[int, str], "LmdbBackend"] = {}
+_SHARED: dict[tuple[int, str], LmdbBackend] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def open_shared(path: str, capacity_bytes: int, **kw) -> "LmdbBackend":
+def open_shared(path: str, capacity_bytes: int, **kw) -> LmdbBackend:
     """One environment per path per process (LMDB refuses a second open; the
     scheduler and worker connectors share a process when vLLM runs in-process)."""
     key = (os.getpid(), os.path.realpath(path))
@@ -51,57 +105,203 @@ def open_shared(path: str, capacity_bytes: int, **kw) -> "LmdbBackend":
         return backend
 
 
+def check_space(path: str, capacity: int) -> None:
+    """The filesystem under ``path`` must be able to hold ``capacity`` bytes
+    (what the pool already occupies counts as available)."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    try:
+        used = os.stat(os.path.join(path, "data.mdb")).st_blocks * 512
+    except FileNotFoundError:
+        used = 0
+    if free + used < capacity:
+        raise PoolConfigError(
+            f"{PREFIX}.capacity: {capacity} bytes do not fit the filesystem of "
+            f"{path} ({free} bytes free, the pool holds {used}); lower the capacity or "
+            "point path at a larger filesystem (a container's /dev/shm is 64 MB "
+            "unless started with a larger --shm-size)")
+
+
 class LmdbBackend(Backend):
-    def __init__(self, path: str, capacity_bytes: int, *,
-                 evict_fraction: float = 0.1, pin_seconds: float = 30.0) -> None:
+    def __init__(self, path: str, capacity_bytes: int, *, evict_fraction: float = 0.1,
+                 pin_seconds: float = 30.0, shared_group: str | None = None) -> None:
         import lmdb
 
-        import fcntl
-
-        os.makedirs(path, exist_ok=True)
         self.path = path
         self.capacity = int(capacity_bytes)
         self.evict_fraction = evict_fraction
         self.pin_seconds = pin_seconds
+        file_mode = prepare_pool_dir(path, shared_group)  # before anything is read
+        check_space(path, self.capacity)
         # Processes starting together (engine core and workers) must not
         # race to create the environment and its named databases.
-        with open(os.path.join(path, ".open.lock"), "a+") as lockf:
-            fcntl.flock(lockf, fcntl.LOCK_EX)
-            try:
-                self.env = lmdb.open(path, map_size=self.capacity, max_dbs=2, subdir=True,
-                                     lock=True, sync=False, metasync=False,
-                                     readahead=False, max_readers=256)
-                self.data = self.env.open_db(b"data")
-                self.atime = self.env.open_db(b"atime")
-            finally:
-                fcntl.flock(lockf, fcntl.LOCK_UN)
+        lock_path = os.path.join(path, ".open.lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, file_mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self.env = lmdb.open(path, map_size=self.capacity, max_dbs=4, subdir=True,
+                                 lock=True, sync=False, metasync=False, readahead=False,
+                                 max_readers=256, mode=file_mode)
+            self.data = self.env.open_db(b"data")
+            self.groups = self.env.open_db(b"groups")
+            self.lru = self.env.open_db(b"lru")
+            self.pins = self.env.open_db(b"pins")
+            fix_file_modes(path, shared_group)
+            self.env.reader_check()
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        self.map_size = self.env.info()["map_size"]
+        if self.map_size > self.capacity:
+            logger.info("vllm-layerwise-patch pool: %s was opened with a larger capacity "
+                        "(%d bytes) by another engine; sharing it", path, self.map_size)
+        self._gate = _Gate()
         self._lock = threading.Lock()
         self.evictions = 0
-        self.evicted_entries = 0
+        self.evicted_groups = 0
         self.refs = 0
         self.closed = False
 
+    # -- transactions -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _txn(self, write: bool = False):
+        import lmdb
+
+        for attempt in (0, 1):
+            with self._gate.shared():
+                try:
+                    txn = self.env.begin(write=write, buffers=True)
+                except lmdb.MapResizedError:
+                    if attempt:
+                        raise
+                else:
+                    with txn:
+                        yield txn
+                    return
+            self._adopt_map()
+
+    def _adopt_map(self) -> bool:
+        """Take the map size another process grew the pool to; True if grown."""
+        with self._gate.exclusive():
+            before = self.env.info()["map_size"]
+            self.env.set_mapsize(0)  # 0: the size recorded in the environment
+            self.map_size = self.env.info()["map_size"]
+        if self.map_size > before:
+            logger.info("vllm-layerwise-patch pool: another engine grew %s to %d bytes; "
+                        "sharing it", self.path, self.map_size)
+            return True
+        return False
+
     # -- reads -----------------------------------------------------------------
     def exists_all(self, keys: Iterable[bytes]) -> list[bool]:
-        with self.env.begin(db=self.data, buffers=True) as txn:
-            cur = txn.cursor()
+        with self._txn() as txn:
+            cur = txn.cursor(db=self.data)
             return [cur.set_key(k) for k in keys]
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        with self.env.begin(db=self.data) as txn:
-            return [txn.get(k) for k in keys]
+        with self._txn() as txn:
+            out = []
+            for k in keys:
+                v = txn.get(k, db=self.data)
+                out.append(None if v is None else bytes(v))
+            return out
 
     def read_many(self, keys: list[bytes], consume) -> None:
         # zero-copy: values are views into the map, valid inside this txn
-        with self.env.begin(db=self.data, buffers=True) as txn:
+        with self._txn() as txn:
             for i, k in enumerate(keys):
-                consume(i, k, txn.get(k))
+                consume(i, k, txn.get(k, db=self.data))
+
+    # -- groups ----------------------------------------------------------------
+    def _use(self, txn, group: bytes, now: float, add: int = 0, create: bool = False) -> None:
+        rec = txn.get(group, db=self.groups)
+        if rec is None:
+            if not create:
+                return
+            size = 0
+        else:
+            last, size = _GROUP.unpack(rec)
+            txn.delete(_T.pack(last) + group, db=self.lru)
+        txn.put(group, _GROUP.pack(now, max(0, size + add)), db=self.groups)
+        txn.put(_T.pack(now) + group, b"", db=self.lru)
+
+    def _drop(self, txn, group: bytes) -> int:
+        rec = txn.get(group, db=self.groups)
+        size = 0
+        if rec is not None:
+            last, size = _GROUP.unpack(rec)
+            txn.delete(_T.pack(last) + group, db=self.lru)
+            txn.delete(group, db=self.groups)
+        pins = txn.cursor(db=self.pins)
+        if pins.set_range(group + _PIN_SEP):
+            while bytes(pins.key()).startswith(group + _PIN_SEP):
+                if not pins.delete():
+                    break
+        prefix = group + b"/"
+        cur = txn.cursor(db=self.data)
+        if cur.set_range(prefix):
+            while bytes(cur.key()).startswith(prefix):
+                if not cur.delete():
+                    break
+        txn.delete(group, db=self.data)  # a key that is its own group
+        return size
+
+    def touch(self, groups: Iterable[bytes]) -> None:
+        groups = list(dict.fromkeys(groups))
+        if groups:
+            now = time.time()
+            with self._txn(write=True) as txn:
+                for g in groups:
+                    self._use(txn, g, now)
+
+    def pin(self, groups: Iterable[bytes], seconds: float, owner: bytes = b"") -> None:
+        groups = list(dict.fromkeys(groups))
+        if not groups:
+            return
+        now = time.time()
+        until = _T.pack(now + seconds)
+        with self._txn(write=True) as txn:
+            for g in groups:
+                txn.put(g + _PIN_SEP + owner, until, db=self.pins)
+                self._use(txn, g, now)
+
+    def unpin(self, groups: Iterable[bytes], owner: bytes = b"") -> None:
+        groups = list(dict.fromkeys(groups))
+        if groups:
+            with self._txn(write=True) as txn:
+                for g in groups:
+                    txn.delete(g + _PIN_SEP + owner, db=self.pins)
+
+    def _pinned(self, txn, group: bytes, now: bytes) -> bool:
+        """Any owner's pin on ``group`` still live (expired ones are removed)."""
+        prefix = group + _PIN_SEP
+        cur = txn.cursor(db=self.pins)
+        live = False
+        if cur.set_range(prefix):
+            while bytes(cur.key()).startswith(prefix):
+                if bytes(cur.value()) > now:
+                    live = True
+                    cur.next()
+                elif not cur.delete():
+                    break
+        return live
+
+    def delete(self, keys: Iterable[bytes]) -> None:
+        with self._txn(write=True) as txn:
+            for k in keys:
+                old = txn.get(k, db=self.data)
+                if old is not None:
+                    txn.delete(k, db=self.data)
+                    self._use(txn, group_of(k), time.time(), add=-(len(k) + len(old)))
+
+    def delete_groups(self, groups: Iterable[bytes]) -> None:
+        groups = list(dict.fromkeys(groups))
+        if groups:
+            with self._txn(write=True) as txn:
+                for g in groups:
+                    self._drop(txn, g)
 
     # -- writes ----------------------------------------------------------------
-    def _used_bytes(self) -> int:
-        info, stat = self.env.info(), self.env.stat()
-        return (info["last_pgno"] + 1) * stat["psize"]
-
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         if not items:
             return
@@ -109,80 +309,81 @@ class LmdbBackend(Backend):
 
         need = sum(len(k) + len(v) for k, v in items)
         if need > self.capacity // 2:
-            raise ValueError(f"a batch of {need} bytes cannot fit a pool of {self.capacity}")
+            raise PoolFull(f"a batch of {need} bytes cannot fit a pool of {self.capacity}")
         with self._lock:
-            # LMDB's map never shrinks (freed pages are reused), so "used" is a
-            # high-water mark: evict on MapFullError, not on a fill level.
             for attempt in range(4):
                 try:
                     self._write(items)
                     return
                 except lmdb.MapFullError:
-                    self._evict(need * (attempt + 2))
-            raise RuntimeError("pool full: eviction could not make room")
+                    if self._adopt_map():
+                        continue
+                    if self._evict(need * (attempt + 2)) == 0:
+                        raise PoolFull("no room: every entry is pinned by a pending load "
+                                       "(or the pool is smaller than one step's saves)")
+                except lmdb.Error as exc:  # I/O: a full filesystem shows as EIO/ENOSPC
+                    st = os.statvfs(self.path)
+                    free = st.f_bavail * st.f_frsize
+                    if free < need:
+                        raise PoolFull(f"the filesystem of {self.path} is full ({free} "
+                                       f"bytes free, {need} needed): {exc}") from None
+                    raise BackendError(f"LMDB write failed: {exc}") from None
+            raise PoolFull("eviction could not make room")
 
     def _write(self, items: list[tuple[bytes, bytes]]) -> None:
-        now = _T.pack(time.time())
-        with self.env.begin(write=True) as txn:
+        now = time.time()
+        added: dict[bytes, int] = {}
+        with self._txn(write=True) as txn:
             for k, v in items:
+                old = txn.get(k, db=self.data)
                 txn.put(k, v, db=self.data)
-                txn.put(k, now, db=self.atime)
+                g = group_of(k)
+                added[g] = added.get(g, 0) + len(k) + len(v) - (
+                    0 if old is None else len(k) + len(old))
+            for g, add in added.items():
+                self._use(txn, g, now, add=add, create=True)
 
-    def touch(self, keys: Iterable[bytes]) -> None:
-        keys = list(keys)
-        if not keys:
-            return
-        import lmdb
-
-        now = _T.pack(time.time())
-        try:
-            with self.env.begin(write=True, db=self.atime) as txn:
-                for k in keys:
-                    txn.put(k, now)
-        except lmdb.MapFullError:
-            pass  # touching is best effort
-
-    def delete(self, keys: Iterable[bytes]) -> None:
-        with self.env.begin(write=True) as txn:
-            for k in keys:
-                txn.delete(k, db=self.data)
-                txn.delete(k, db=self.atime)
-
-    def _evict(self, need: int) -> None:
-        """Delete least recently used entries (never ones used in the last
-        ``pin_seconds``) to free about ``evict_fraction`` of the pool."""
-        target = max(need * 2, int(self.capacity * self.evict_fraction))
-        cutoff = time.time() - self.pin_seconds
-        with self.env.begin(db=self.atime, buffers=False) as txn:
-            entries = [(_T.unpack(v)[0], k) for k, v in txn.cursor()
-                       if not k.startswith(_TICK)]
-        entries.sort()
-        victims, freed = [], 0
-        with self.env.begin(db=self.data, buffers=True) as txn:
-            for t, k in entries:
-                if t > cutoff or freed >= target:
+    def _evict(self, need: int) -> int:
+        """Delete the least recently used unpinned groups - chosen inside one
+        write transaction - to free about ``evict_fraction`` of the pool.
+        Returns the bytes freed (0: nothing could go)."""
+        self.env.reader_check()  # slots of killed readers would pin old pages
+        target = max(need * 2, int(self.map_size * self.evict_fraction))
+        now_t = _T.pack(time.time())
+        freed = dropped = 0
+        with self._txn(write=True) as txn:
+            victims = []
+            for key, _ in txn.cursor(db=self.lru):
+                group = bytes(key[_T.size:])
+                if self._pinned(txn, group, now_t):
+                    continue  # a pending load reads it
+                victims.append(group)
+                freed += _GROUP.unpack(txn.get(group, db=self.groups))[1]
+                if freed >= target:
                     break
-                v = txn.get(k)
-                freed += len(k) + (len(v) if v is not None else 0)
-                victims.append(k)
-        if not victims:
-            return
-        self.delete(victims)
+            for group in victims:
+                self._drop(txn, group)
+            dropped = len(victims)
+        if not dropped:
+            return 0
         # freed pages become reusable only after a later write txn commits
-        for _ in range(2):
-            with self.env.begin(write=True, db=self.atime) as txn:
-                txn.put(_TICK, _U64.pack(self.evictions))
+        for i in range(2):
+            with self._txn(write=True) as txn:
+                txn.put(_TICK, _T.pack(time.time()), db=self.pins)
         self.evictions += 1
-        self.evicted_entries += len(victims)
-        logger.info("vllm-layerwise-patch pool: evicted %d entries (%d bytes)",
-                    len(victims), freed)
+        self.evicted_groups += dropped
+        logger.info("vllm-layerwise-patch pool: evicted %d blocks (%d bytes)", dropped, freed)
+        return max(freed, 1)
 
     def stats(self) -> dict[str, int]:
-        with self.env.begin() as txn:
+        with self._txn() as txn:
             entries = txn.stat(self.data)["entries"]
-        return {"entries": entries, "used_bytes": self._used_bytes(),
-                "capacity_bytes": self.capacity, "evictions": self.evictions,
-                "evicted_entries": self.evicted_entries}
+            groups = txn.stat(self.groups)["entries"]
+        info, stat = self.env.info(), self.env.stat()
+        return {"entries": entries, "groups": groups,
+                "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
+                "map_bytes": info["map_size"], "capacity_bytes": self.capacity,
+                "evictions": self.evictions, "evicted_groups": self.evicted_groups}
 
     def close(self) -> None:
         self.refs -= 1
