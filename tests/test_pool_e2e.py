@@ -11,13 +11,12 @@ block boundary and the pool stores the state at 640, 1280 and 1920.
 
 from __future__ import annotations
 
-import json
 import re
 
 import lmdb
 import pytest
 
-from conftest import clean_env, run_py
+from vllm_layerwise_patch.testing.engines import engine_env, kv_metrics, run_engine, toks
 
 pytestmark = pytest.mark.vllm
 
@@ -28,68 +27,11 @@ PB = {"prefix": [600, 5], "suffix": [150, 7]}
 # distinct prompts for the eviction test (3 blocks each)
 DISTINCT = [{"prefix": [1950, 20 + i]} for i in range(4)]
 
-DRIVER = r"""
-import json, sys
-cfg = json.loads(sys.argv[1])
-from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, tiny_prompt
-from vllm import LLM, SamplingParams
-
-def build(spec):
-    p = tiny_prompt(*spec["prefix"])
-    if "suffix" in spec:
-        p = p + tiny_prompt(*spec["suffix"])
-    return p
-
-kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640,
-                       disable_log_stats=False)
-if cfg.get("pool") is not None:
-    kw["kv_transfer_config"] = {"kv_connector": "LayerwisePoolConnector",
-        "kv_connector_module_path": "vllm_layerwise_patch.pool", "kv_role": "kv_both",
-        "kv_connector_extra_config": cfg["pool"]}
-    if cfg.get("policy"):
-        kw["kv_transfer_config"]["kv_load_failure_policy"] = cfg["policy"]
-error, out = None, []
-try:
-    llm = LLM(model=cfg["model"], **kw)
-    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
-    for spec in cfg["prompts"]:
-        try:
-            o = llm.generate([{"prompt_token_ids": build(spec)}], sp, use_tqdm=False)[0]
-        except Exception as exc:  # this request failed; does the engine go on?
-            out.append({"tokens": [], "cached": 0, "logprobs": [],
-                        "error": f"{type(exc).__name__}: {exc}"})
-            continue
-        out.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
-                    "finish": o.outputs[0].finish_reason,
-                    "logprobs": [round(next(iter(d.values())).logprob, 4)
-                                 for d in o.outputs[0].logprobs or []]})
-    llm.llm_engine.do_log_stats()  # flush vLLM's stats log (KV Transfer metrics)
-except Exception as exc:
-    error = f"{type(exc).__name__}: {exc}"
-print("RESULT " + json.dumps({"out": out, "error": error}))
-"""
-
-
-def run_driver(driver, cfg, cwd, patches="1"):
-    """Run ``driver`` with ``cfg`` in a fresh process; its RESULT and its log."""
-    env = clean_env(VLLM_LAYERWISE_PATCH=patches, VLLM_LAYERWISE_PATCH_CPU_V2="1",
-                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = run_py(driver.replace("sys.argv[1]", repr(json.dumps(cfg))), env=env,
-                  cwd=str(cwd), check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert lines, f"engine died:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT "):]), proc.stdout + proc.stderr
-
-
-def engine(model_dir, cwd, prompts, pool=None, patches="1", policy=None):
-    cfg = {"model": str(model_dir), "pool": pool, "prompts": prompts, "policy": policy}
-    res, log = run_driver(DRIVER, cfg, cwd, patches)
-    res["log"] = log
-    return res
-
-
-def toks(res):
-    return [(o["tokens"], o["logprobs"]) for o in res["out"]]
+def engine(model_dir, cwd, prompts, pool=None, patches="1", policy=None, **spec):
+    """Serve ``prompts`` in a fresh engine process (see testing.engines)."""
+    spec = dict({"model": str(model_dir), "pool": pool, "prompts": prompts, "policy": policy},
+                **spec)
+    return run_engine(spec, env=engine_env(patches), cwd=str(cwd))
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +85,7 @@ def test_fresh_engine_hits_the_pool_with_identical_tokens(tiny_model_dir, work, 
     assert cached[1] >= hbm[1] and cached[0] >= hbm[2]
     assert "layerwise loads and saves" in res["log"]
     # the connector's stats reach vLLM's own stats log (one line per interval)
-    lines = [dict(kv.split("=") for kv in m.split(", "))
-             for m in re.findall(r"KV Transfer metrics: (.*)", res["log"])]
+    lines = kv_metrics(res["log"])
     # PA loads 2 blocks; P then has PA's 2 blocks in HBM and loads only the 3rd
     assert sum(int(f["External hit tokens loaded"]) for f in lines) == 3 * BLOCK
     assert sum(float(f["Loaded (GB)"]) for f in lines) > 0
@@ -227,35 +168,12 @@ def test_pool_smaller_than_working_set_evicts_and_stays_correct(tiny_model_dir, 
 INVALID = {"capacity": {"capacity": "lots"}, "prefetch_layers": {"prefetch_layers": 0},
            "backend": {"backend": "redis"}, "no_such_option": {"no_such_option": 1}}
 
-STARTUP_DRIVER = r"""
-import json, sys
-cfg = json.loads(sys.argv[1])
-from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs
-from vllm import LLM
-
-errors = {}
-for field, extra in cfg["configs"].items():  # one process, one engine start each
-    kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640)
-    kw["kv_transfer_config"] = {"kv_connector": "LayerwisePoolConnector",
-        "kv_connector_module_path": "vllm_layerwise_patch.pool", "kv_role": "kv_both",
-        "kv_connector_extra_config": extra}
-    try:
-        llm = LLM(model=cfg["model"], **kw)
-        errors[field] = None
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-    except Exception as exc:
-        errors[field] = f"{type(exc).__name__}: {exc}"
-print("RESULT " + json.dumps(errors))
-"""
-
-
 @pytest.fixture(scope="module")
 def startup_errors(tiny_model_dir, work):
     configs = {f: dict({"path": str(work / "bad")}, **x) for f, x in INVALID.items()}
-    errors, _ = run_driver(STARTUP_DRIVER, {"model": str(tiny_model_dir), "configs": configs},
-                           work)
-    return errors
+    res = run_engine({"model": str(tiny_model_dir), "prompts": [], "startup": configs},
+                     cwd=str(work))
+    return res["errors"]
 
 
 @pytest.mark.parametrize("field", list(INVALID))

