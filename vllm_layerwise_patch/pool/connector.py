@@ -198,6 +198,10 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._sched is not None:
+            self._sched.update_connector_output(connector_output)
+
     def request_finished(self, request: Any, block_ids: list[int]):
         self._sched.request_finished(request)
         return False, None

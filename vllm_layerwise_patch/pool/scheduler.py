@@ -23,7 +23,10 @@ hit is trimmed: the drafter's KV at a hit's last position depends on the
 token after the hit.
 
 Any backend error during a lookup is a miss (logged once); during save
-planning the step's saves are skipped.  The engine never stops for the pool.
+planning the step's saves are skipped.  A request whose load failed is not
+served from the pool again (it recomputes; a backend that answers lookups
+but fails every read cannot make it loop).  The engine never stops for the
+pool.
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ class PoolScheduler:
         self.layers = {ATTN: layout.layer_ids(ATTN), STATE: layout.layer_ids(STATE)}
         self._pending: dict[str, int] = {}  # req_id -> hit blocks (lookup -> alloc)
         self._pinned: dict[str, list[bytes]] = {}  # req_id -> groups pinned for its load
+        self._issued: dict[str, set[int]] = {}  # req_id -> block ids its loads fill
+        self._load_failed: set[str] = set()  # requests recomputing after a failed load
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._warned: set[str] = set()
@@ -203,6 +208,8 @@ class PoolScheduler:
         tracked = self._tracked.setdefault(rid, _Tracked(request, []))
         tracked.loaded_end = 0  # (again, after a preemption)
         self._pending.pop(rid, None)
+        if rid in self._load_failed:
+            return 0, False
         try:
             k = self.lookup(request, num_computed_tokens)
             groups = []
@@ -239,6 +246,8 @@ class PoolScheduler:
         attn = {g: list(ids[start:k]) for g, ids in enumerate(block_ids) if kinds[g] == ATTN}
         mamba = {g: ids[k - 1] for g, ids in enumerate(block_ids) if kinds[g] == STATE}
         self._loads.append(LoadSpec(request.request_id, start, k, hashes, attn, mamba, {}))
+        self._issued[request.request_id] = {b for ids in attn.values() for b in ids} | set(
+            mamba.values())
         self.stats["hit_tokens"] += num_external_tokens
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request, []))
         tracked.loaded_end = k
@@ -344,6 +353,18 @@ class PoolScheduler:
                         "rather than serve tokens from a wrong state")
         return self._report_errors
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Requests whose loads the workers reported failed recompute without
+        the pool."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for rid, ids in self._issued.items():
+            if ids & invalid and rid not in self._load_failed:
+                self._load_failed.add(rid)
+                logger.info("vllm-layerwise-patch pool: request %s recomputes without the "
+                            "pool after a failed load", rid)
+
     def _ids(self, t: _Tracked, col: int, kind: str) -> dict[int, int]:
         return {g: t.blocks[g][col] for g in self.layout.groups(kind)
                 if col < len(t.blocks[g])}
@@ -352,6 +373,8 @@ class PoolScheduler:
         rid = request.request_id
         self._tracked.pop(rid, None)
         self._pending.pop(rid, None)
+        self._issued.pop(rid, None)
+        self._load_failed.discard(rid)
         groups = self._pinned.pop(rid, None)
         if groups:
             try:
