@@ -15,6 +15,15 @@ Recipe (DESIGN.md §6):
   calls this function when ``VLLM_LAYERWISE_PATCH_CPU_V2=1``);
 - ``vllm.LLM(..., **cpu_v2_llm_kwargs())``.
 
+Tensor parallelism (``tensor_parallel_size=2``, multiprocessing executor, gloo
+on CPU) runs too, on a tiny model whose head counts divide by the TP size
+(``build_tiny_qwen3_next(linear_num_key_heads=2, linear_num_value_heads=4)``
+keeps each rank's shapes those of the default model at TP=1). The shim keeps
+the ``torch.compile`` helper TP>1 reaches eager (see
+:func:`install_cpu_v2_shim`); add ``cpu_v2_env(tensor_parallel_size=2)`` to
+the environment of the process that creates the engine (thread binding:
+without it TP>1 does not start on a single-NUMA host).
+
 This module imports only ``os`` and ``sys`` at import time; Triton is imported
 when the shim is installed. It never imports vLLM or torch.
 """
@@ -42,16 +51,47 @@ _SENTINEL = "__vllm_layerwise_patch_cpu_v2__"
 
 _installed = False
 
+# Set with ``setdefault`` by :func:`install_cpu_v2_shim` (an explicit value
+# wins). ``TORCH_COMPILE_DISABLE=1``: vLLM wraps small helpers in
+# ``torch.compile`` even with ``enforce_eager`` (e.g. the vocab-parallel
+# embedding's mask at TP>1); disabled, they run eagerly (vLLM reads it as
+# ``-cc.mode=none``, what ``enforce_eager`` already implies). With compilation
+# on they still work (inductor's C++ backend, needs a C compiler, writes its
+# cache under the temp dir) but cost ~6-15 s per TP>1 engine on 2 cores.
+_SHIM_DEFAULTS = {"TORCH_COMPILE_DISABLE": "1"}
 
-def cpu_v2_env() -> dict[str, str]:
+# What a tensor-parallel engine's CPU workers need (see :func:`cpu_v2_env`).
+_TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def cpu_v2_env(tensor_parallel_size: int = 1) -> dict[str, str]:
     """Environment variables the CPU V2 emulation sets (values as set).
 
     ``TRITON_INTERPRET=1`` runs ``@triton.jit`` kernels in Triton's Python
     interpreter on CPU tensors; ``VLLM_USE_V2_MODEL_RUNNER=1`` forces the V2
     runner. Pass these to subprocesses you start yourself (plus
     ``VLLM_LAYERWISE_PATCH_CPU_V2=1`` when the package bootstrap is installed).
+
+    Also returns the shim's own default ``TORCH_COMPILE_DISABLE=1``.
+
+    ``tensor_parallel_size > 1`` adds what the CPU workers of the
+    multiprocessing executor need; put these in the environment of the process
+    that creates the engine (engine core and workers inherit it), not in the
+    shim (they would change TP=1 engines too):
+
+    - ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's default ``auto`` binds one
+      NUMA node per rank and refuses to start TP>1 on a host with fewer nodes
+      than ranks;
+    - ``OMP_NUM_THREADS=1``: unbound workers keep torch's default of one
+      thread per core (vLLM's CPU worker refuses to lower it), so the ranks
+      oversubscribe the cores (measured on 2 cores: a 2000-token prefill
+      ~12 s instead of ~2.5 s).
     """
-    return {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    env = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    env.update(_SHIM_DEFAULTS)
+    if tensor_parallel_size > 1:
+        env.update(_TP_ENV)
+    return env
 
 
 def _make_fake_backend():
@@ -63,13 +103,27 @@ def _make_fake_backend():
         vLLM only checks that a ``"cpu"`` backend exists and calls
         ``driver.is_active()``. Kernels run in the interpreter
         (``TRITON_INTERPRET=1``), which never asks a driver to compile or
-        launch. Missing attributes (``get_current_target`` ...) raise
-        ``AttributeError``, which vLLM's FLA helpers treat as "cpu".
+        launch. ``get_current_target`` raises ``RuntimeError``, which both
+        vLLM's FLA helpers (they fall back to "cpu") and torch inductor (it
+        then omits the Triton hash from its cache key) tolerate; other
+        missing attributes raise ``AttributeError``.
         """
 
         @staticmethod
         def is_active() -> bool:
             return True
+
+        @staticmethod
+        def get_current_target():
+            # RuntimeError, not AttributeError: torch inductor
+            # (autotune_cache.inductor_meta_from_config, reached by vLLM's
+            # small torch.compile helpers, e.g. the TP>1 vocab-parallel
+            # embedding mask) only tolerates RuntimeError here; vLLM's FLA
+            # helpers accept either and fall back to "cpu".
+            raise RuntimeError(
+                "vllm_layerwise_patch CPU V2 shim: the stand-in 'cpu' Triton "
+                "driver has no compile target (interpreter only)"
+            )
 
     class _InterpreterOnlyCPUCompiler:
         """Placeholder compiler; compiling for it is an error by design."""
@@ -91,6 +145,9 @@ def install_cpu_v2_shim() -> bool:
     Sets ``TRITON_INTERPRET=1`` (``setdefault``: an explicit value wins) and
     ``VLLM_USE_V2_MODEL_RUNNER=1``, then adds a fake ``"cpu"`` entry to
     ``triton.backends.backends`` unless one (ours or a real triton-cpu) exists.
+    Also sets ``TORCH_COMPILE_DISABLE=1`` (``setdefault``): vLLM's
+    ``torch.compile`` helpers run eagerly (a TP>1 engine reaches one, the
+    tiny model at TP=1 none).
 
     Must run before ``vllm`` is imported: vLLM decides ``HAS_TRITON`` once, at
     import of ``vllm.triton_utils``, and Triton decides interpreter mode when a
@@ -115,6 +172,10 @@ def install_cpu_v2_shim() -> bool:
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "1":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         changed = True
+    for key, value in _SHIM_DEFAULTS.items():
+        if os.environ.get(key) is None:
+            os.environ[key] = value
+            changed = True
     try:
         import triton.backends as tb
     except ImportError:

@@ -300,6 +300,14 @@ def build_tiny_qwen3_next(
     (``num_nextn_predict_layers: 1``; serve it with
     ``speculative_config={"method": "mtp", "num_speculative_tokens": 1}``).
     Takes well under a second for the default size.
+
+    Tensor parallelism of size ``t`` needs ``linear_num_key_heads``,
+    ``linear_num_value_heads`` and ``num_attention_heads`` divisible by ``t``
+    (``num_key_value_heads`` divisible by ``t`` or dividing it; vLLM replicates
+    KV heads) and ``num_experts >= t``. The default model does not fit TP=2 (its
+    one GDN key head fails at the first forward); ``linear_num_key_heads=2,
+    linear_num_value_heads=4`` does, with each rank's shapes (and the 640-token
+    hybrid block) those of the default model at TP=1.
     """
     params = {
         "format_version": _FORMAT_VERSION,
