@@ -88,6 +88,8 @@ class PoolConfig(BaseModel):
     debug_copy_before_wait: bool = False
     # debug only: this backend operation raises (fault-handling tests)
     debug_backend_fault: Literal["", "lookup", "load", "save"] = ""
+    # debug only (negative control): every TP rank loads this rank's pages
+    debug_load_tp_rank: int = Field(default=-1, ge=-1)
 
     @field_validator("capacity", mode="before")
     @classmethod

@@ -143,6 +143,9 @@ class PoolWorker:
         ``self._owners`` records which request each item belongs to."""
         tasks: dict[str, list[LoadItem]] = {}
         self._owners = {}
+        rank = self.tp_rank
+        if self.config.debug_load_tp_rank >= 0:  # negative control (tests)
+            rank = self.config.debug_load_tp_rank
         for spec in meta.loads:
             for layer in self.order:
                 g, kind = self.layer_group[layer], self.layer_kind[layer]
@@ -151,7 +154,7 @@ class PoolWorker:
                 owners = self._owners.setdefault(layer, [])
                 if kind == ATTN:
                     for h, bid in zip(spec.hashes, spec.attn_blocks.get(g, [])):
-                        items.append((page_key(self.ns, ATTN, h, self.tp_rank, idx),
+                        items.append((page_key(self.ns, ATTN, h, rank, idx),
                                       [self.page(layer, bid)]))
                         owners.append(spec.req_id)
                 elif g in spec.mamba_blocks and not self.config.debug_skip_mamba_load:
@@ -159,7 +162,7 @@ class PoolWorker:
                     running = spec.running_blocks.get(g)
                     if bulk and running is not None and running != spec.mamba_blocks[g]:
                         dests.append(self.page(layer, running))
-                    items.append((page_key(self.ns, STATE, spec.hashes[-1], self.tp_rank, idx),
+                    items.append((page_key(self.ns, STATE, spec.hashes[-1], rank, idx),
                                   dests))
                     owners.append(spec.req_id)
         return tasks

