@@ -1,7 +1,7 @@
 """Checks of a vLLM engine configuration that a layerwise hybrid pool needs.
 
-Shared by ``doctor --engine-args`` and (later) the pool connector's startup
-validation.  Each check is a :class:`Check` with ``ok`` True / False / None
+Used by ``doctor --engine-args``; the pool checks read the same rules the
+pool connector applies at startup (``pool.security``, ``pool.identity``).  Each check is a :class:`Check` with ``ok`` True / False / None
 (None: not applicable to this configuration).
 """
 
@@ -103,6 +103,40 @@ def vllm_config_checks(vllm_config: Any, *, layerwise: bool = True) -> list[Chec
     return out
 
 
+POOL_CONNECTOR = "LayerwisePoolConnector"
+
+
+def pool_checks(vllm_config: Any) -> list[Check]:
+    """With the pool connector configured: its extra config, the pool path's
+    owner, mode and verdict (nothing is created or read), and whether vLLM's
+    prefix hashes can match across processes."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is None or getattr(ktc, "kv_connector", None) != POOL_CONNECTOR:
+        return []
+    from .pool.config import PoolConfig, PoolConfigError
+    from .pool.identity import hash_seed_problem
+    from .pool.security import check_pool_path
+
+    out: list[Check] = []
+    try:
+        cfg = PoolConfig.from_extra(ktc.kv_connector_extra_config)
+    except PoolConfigError as exc:
+        return [Check("pool-config", False, str(exc))]
+    out.append(Check("pool-config", True, f"backend {cfg.backend}, capacity {cfg.capacity} "
+                     f"bytes, {'shared with group ' + cfg.shared_group if cfg.shared_group else 'private'}"))
+    try:
+        verdict = check_pool_path(cfg.path, cfg.shared_group)
+        out.append(Check("pool-path", verdict.ok, verdict.summary()))
+    except PoolConfigError as exc:
+        out.append(Check("pool-path", False, str(exc)))
+    problem = hash_seed_problem(vllm_config.cache_config)
+    algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")
+    out.append(Check("prefix-hash-seed", problem is None,
+                     problem or f"prefix_caching_hash_algo={algo!r}: the same block hashes "
+                                "in every process"))
+    return out
+
+
 def engine_args_checks(argv: list[str]) -> list[Check]:
     """Build the engine config from ``vllm serve``-style arguments and check it."""
     from vllm.engine.arg_utils import EngineArgs
@@ -113,4 +147,4 @@ def engine_args_checks(argv: list[str]) -> list[Check]:
     args = EngineArgs.from_cli_args(ns)
     vc = args.create_engine_config()
     layerwise = vc.kv_transfer_config is not None
-    return vllm_config_checks(vc, layerwise=layerwise)
+    return vllm_config_checks(vc, layerwise=layerwise) + pool_checks(vc)

@@ -167,8 +167,9 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
 
 
 def _wrap(text: str, indent: int) -> list[str]:
+    # paths and ids stay whole (no break after a hyphen)
     return textwrap.wrap(text, WIDTH - 1, initial_indent=" " * indent,
-                         subsequent_indent=" " * indent) or [""]
+                         subsequent_indent=" " * indent, break_on_hyphens=False) or [""]
 
 
 def render(report: dict[str, Any]) -> str:

@@ -165,6 +165,10 @@ def prepare_pool_dir(path: str, shared_group: str | None = None) -> int:
         os.mkdir(path, 0o700 if shared_gid is None else 0o770)
     except FileExistsError:
         pass
+    else:  # ours: give it the shared group before the check
+        if shared_gid is not None:
+            os.chown(path, -1, shared_gid)
+            os.chmod(path, 0o2770)
     v = check_pool_path(path, shared_group)
     if not v.ok:
         raise refuse(v, shared_group)

@@ -29,6 +29,7 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 ``fill``         ``[path, bytes]``: after the engine started, write a file of
                  that size (or until the filesystem is full) - a pool
                  filesystem filling up at runtime;
+``umask``        the child's umask (e.g. 0: files as permissive as allowed);
 ``startup``      instead of prompts, ``{name: kv_connector_extra_config}``:
                  start one engine per config in this process and report each
                  start's error (None when it started).
@@ -226,6 +227,8 @@ def _startup(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec.get("umask") is not None:
+        os.umask(spec["umask"])
     probe = _install_mtp_probe() if spec.get("mtp_probe") else None
     if spec.get("untrimmed"):
         _untrim()
