@@ -29,7 +29,7 @@ import re
 
 import pytest
 
-from conftest import clean_env, run_py
+from vllm_layerwise_patch.testing.engines import engine_env, kv_metrics, run_engine, toks
 
 pytestmark = pytest.mark.vllm
 
@@ -38,93 +38,17 @@ MAX_TOKENS = 6
 P = {"prefix": [2000, 5]}
 Q = {"prefix": [1920, 5], "suffix": [80, 9]}
 
-DRIVER = r"""
-import hashlib, json, sys
-cfg = json.loads(sys.argv[1])
-from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, tiny_prompt
-from vllm import LLM, SamplingParams
-
-def build(spec):
-    p = tiny_prompt(*spec["prefix"])
-    if "suffix" in spec:
-        p = p + tiny_prompt(*spec["suffix"])
-    return p
-
-probe = []
-try:  # the drafter's outputs (engine core and worker are in this process)
-    from vllm.model_executor.models import qwen3_next_mtp as _mtp
-    _compute_logits = _mtp.Qwen3NextMTP.compute_logits
-    def _recording(self, hidden_states, *a, **k):
-        out = _compute_logits(self, hidden_states, *a, **k)
-        if out is not None and out.dim() == 2 and out.shape[0] == 1:
-            row = out.float()
-            m = row.max(-1)
-            # argmax, max logit and a digest of the whole logits row: a
-            # stale draft page moves the drafter's logits by less than the
-            # rounding of the max, but not by less than a bit of the row
-            probe.append([int(m.indices[0]), round(float(m.values[0]), 4),
-                          hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest()[:16]])
-        return out
-    _mtp.Qwen3NextMTP.compute_logits = _recording
-except Exception as exc:
-    probe = None
-    print(f"no draft probe: {exc}")
-
-if cfg.get("untrimmed"):  # negative control: an external hit keeps its final block
-    from vllm_layerwise_patch.pool import scheduler as _sched
-    _init = _sched.PoolScheduler.__init__
-    def _untrimmed(self, *a, **k):
-        _init(self, *a, **k)
-        self.trim_blocks = 0
-    _sched.PoolScheduler.__init__ = _untrimmed
-
-kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640,
-                       disable_log_stats=False)
-kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 1}
-if cfg.get("pool") is not None:
-    kw["kv_transfer_config"] = {"kv_connector": "LayerwisePoolConnector",
-        "kv_connector_module_path": "vllm_layerwise_patch.pool", "kv_role": "kv_both",
-        "kv_connector_extra_config": cfg["pool"]}
-error, out = None, []
-try:
-    llm = LLM(model=cfg["model"], **kw)
-    sp = SamplingParams(temperature=0, max_tokens=cfg["max_tokens"], ignore_eos=True,
-                        logprobs=1)
-    for spec in cfg["prompts"]:
-        if cfg.get("cold"):
-            llm.reset_prefix_cache()  # every prompt from scratch
-        if probe is not None:
-            probe.clear()
-        o = llm.generate([{"prompt_token_ids": build(spec)}], sp, use_tqdm=False)[0]
-        out.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
-                    "logprobs": [round(next(iter(d.values())).logprob, 4)
-                                 for d in o.outputs[0].logprobs],
-                    # one draft per step from the prompt's last chunk on
-                    "drafts": None if probe is None else probe[-cfg["max_tokens"]:]})
-    llm.llm_engine.do_log_stats()  # flush vLLM's stats log (SpecDecoding, KV Transfer)
-except Exception as exc:
-    error = f"{type(exc).__name__}: {exc}"
-print("RESULT " + json.dumps({"out": out, "error": error}))
-"""
+SPEC = {"llm": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+        "max_tokens": MAX_TOKENS, "mtp_probe": True}
 
 
 def engine(model_dir, cwd, prompts, pool=None, patches="1", **extra):
-    cfg = dict({"model": str(model_dir), "pool": pool, "prompts": prompts,
-                "max_tokens": MAX_TOKENS}, **extra)
-    env = clean_env(VLLM_LAYERWISE_PATCH=patches, VLLM_LAYERWISE_PATCH_CPU_V2="1",
-                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = run_py(DRIVER.replace("sys.argv[1]", repr(json.dumps(cfg))), env=env,
-                  cwd=str(cwd), check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert lines, f"engine died:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    res = json.loads(lines[-1][len("RESULT "):])
-    res["log"] = proc.stdout + proc.stderr
+    """Serve ``prompts`` with MTP in a fresh engine process (testing.engines),
+    recording the drafter's outputs."""
+    spec = dict(SPEC, model=str(model_dir), pool=pool, prompts=prompts, **extra)
+    res = run_engine(spec, env=engine_env(patches), cwd=str(cwd))
     assert res["error"] is None, res["error"] + "\n" + res["log"][-3000:]
     return res
-
-
-def toks(res):
-    return [(o["tokens"], o["logprobs"]) for o in res["out"]]
 
 
 def drafts(res):
@@ -199,8 +123,7 @@ def test_fresh_engine_hits_the_trimmed_prefix_with_identical_tokens_and_drafts(
     assert toks(res) == toks(baseline)[:1]
     assert drafted_tokens(res["log"]) > 0
     assert drafts(res) == drafts(baseline)[:1]
-    lines = [dict(kv.split("=") for kv in m.split(", "))
-             for m in re.findall(r"KV Transfer metrics: (.*)", res["log"])]
+    lines = kv_metrics(res["log"])
     assert sum(int(f["External hit tokens loaded"]) for f in lines) == 2 * BLOCK
 
 
