@@ -1,5 +1,6 @@
-"""Rewrite README.md's patch table from the patch modules (run after editing a
-patch's docstring; tests/test_readme.py fails when the table is stale)."""
+"""Rewrite README.md's tables from the code: the patch table (patch modules),
+the compatibility table (declarations) and the pool configuration table
+(PoolConfig's fields).  tests/test_readme.py fails when one is stale."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 BEGIN, END = "<!-- patch-table:begin -->", "<!-- patch-table:end -->"
 CBEGIN, CEND = "<!-- compat-table:begin -->", "<!-- compat-table:end -->"
+PBEGIN, PEND = "<!-- pool-config-table:begin -->", "<!-- pool-config-table:end -->"
 
 _CELL = {"verified": "verified", "not-needed": "not needed",
          "not-applicable": "unsupported", "drift": "unsupported (drift)",
@@ -40,9 +42,11 @@ def _between(text: str, begin: str, end: str, body: str) -> str:
 
 def rendered(readme: str) -> str:
     from vllm_layerwise_patch.listing import render_markdown
+    from vllm_layerwise_patch.pool.config import PoolConfig
 
-    return _between(_between(readme, BEGIN, END, render_markdown()), CBEGIN, CEND,
-                    compat_table())
+    text = _between(readme, BEGIN, END, render_markdown())
+    text = _between(text, CBEGIN, CEND, compat_table())
+    return _between(text, PBEGIN, PEND, PoolConfig.markdown_table())
 
 
 def main() -> int:

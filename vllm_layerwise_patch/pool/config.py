@@ -10,6 +10,7 @@ bytes, ``"4GB"`` is 4 000 000 000.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any, Literal
@@ -65,31 +66,58 @@ class PoolConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    backend: Literal["lmdb"] = "lmdb"
-    path: str = Field(default_factory=default_path, min_length=1)
-    capacity: int = 4 << 30
-    # a group whose members share the pool (0770/0660); None: private (0700/0600)
-    shared_group: str | None = Field(default=None, min_length=1)
-    prefetch_layers: int = Field(default=2, ge=1, le=64)
-    load_threads: int = Field(default=2, ge=1, le=32)
-    pin_seconds: float = Field(default=30.0, ge=0)
-    verify_on_lookup: bool = True
-    namespace_salt: str = ""
-    # debug only: leave mamba state pages out of loads (negative-control tests)
-    debug_skip_mamba_load: bool = False
-    # debug only: the first load of this layer fails (load-failure tests)
-    debug_fail_load_layer: str = ""
-    # debug only (negative control): failed loads are zeroed, not reported
-    debug_hide_load_errors: bool = False
-    # debug only: every layer's load takes this long (ordering under slow loads)
-    debug_load_delay_ms: float = Field(default=0.0, ge=0, le=60_000)
-    # debug only (negative control): the deferred mamba copy of a layer runs
-    # before that layer's load has completed
-    debug_copy_before_wait: bool = False
-    # debug only: this backend operation raises (fault-handling tests)
-    debug_backend_fault: Literal["", "lookup", "load", "save"] = ""
-    # debug only (negative control): every TP rank loads this rank's pages
-    debug_load_tp_rank: int = Field(default=-1, ge=-1)
+    backend: Literal["lmdb"] = Field(
+        default="lmdb", description="storage backend: `lmdb` (embedded, one machine)")
+    path: str = Field(
+        default_factory=default_path, min_length=1,
+        description="pool directory; the default is per user "
+                    "(`/dev/shm/vllm-layerwise-pool-<uid>`, tmpfs: RAM)")
+    capacity: int = Field(
+        default=4 << 30,
+        description="maximum pool size: bytes or a size with an exact unit (`512MiB`, "
+                    "`8GiB`, `1TiB`; `GB` = 10^9); least recently used blocks are "
+                    "evicted; the filesystem under `path` must hold it")
+    shared_group: str | None = Field(
+        default=None, min_length=1,
+        description="a group whose members share the pool (directory 2770, files 0660 "
+                    "of that group); unset: private to this user (0700/0600)")
+    prefetch_layers: int = Field(default=2, ge=1, le=64,
+                                 description="layers loaded ahead of compute")
+    load_threads: int = Field(default=2, ge=1, le=32, description="load threads per worker")
+    pin_seconds: float = Field(
+        default=30.0, ge=0,
+        description="longest a pending load pins what it reads against eviction (pins "
+                    "are released when the load is done; this bounds them if an engine "
+                    "dies)")
+    verify_on_lookup: bool = Field(
+        default=True,
+        description="read and check (length, crc32, namespace) every entry of a hit "
+                    "before reporting it")
+    namespace_salt: str = Field(
+        default="", description="extra namespace text (engines with different salts never "
+                                "share entries)")
+    debug_skip_mamba_load: bool = Field(
+        default=False, description="tests only: leave the state pages out of loads (shows "
+                                   "a wrong state changes tokens)")
+    debug_fail_load_layer: str = Field(
+        default="", description="tests only: this layer's first load fails (shows a "
+                                "failed load recomputes)")
+    debug_hide_load_errors: bool = Field(
+        default=False, description="tests only: zero failed loads without reporting them "
+                                   "(shows a missed recompute changes tokens)")
+    debug_load_delay_ms: float = Field(
+        default=0.0, ge=0, le=60_000,
+        description="tests only: every layer's load takes this long (loads still in "
+                    "flight when the forward reaches the layer)")
+    debug_copy_before_wait: bool = Field(
+        default=False, description="tests only: run a layer's deferred state copy before "
+                                   "its load completes (shows the order matters)")
+    debug_backend_fault: Literal["", "lookup", "load", "save"] = Field(
+        default="", description="tests only: this backend operation raises (shows a "
+                                "fault is a miss, a recompute or a skipped save)")
+    debug_load_tp_rank: int = Field(
+        default=-1, ge=-1, description="tests only: every TP rank loads this rank's pages "
+                                       "(shows ranks' pages differ)")
 
     @field_validator("capacity", mode="before")
     @classmethod
@@ -113,6 +141,17 @@ class PoolConfig(BaseModel):
     @classmethod
     def field_names(cls) -> list[str]:
         return list(cls.model_fields)
+
+    @classmethod
+    def markdown_table(cls) -> str:
+        """The README's table of fields (scripts/render_readme.py)."""
+        rows = ["| `kv_connector_extra_config` field | default | meaning |", "|---|---|---|"]
+        for name, f in cls.model_fields.items():
+            default = ("per user" if name == "path" else
+                       "`4GiB`" if name == "capacity" else
+                       "unset" if f.default is None else f"`{json.dumps(f.default)}`")
+            rows.append(f"| `{name}` | {default} | {f.description} |")
+        return "\n".join(rows) + "\n"
 
 
 def _describe(exc: ValidationError) -> str:
