@@ -43,8 +43,11 @@ def spec(model, prompts, pool=None, **kw):
     return dict({"model": str(model), "pool": pool, "prompts": prompts}, **kw)
 
 
-def engine(model, cwd, prompts, pool=None, patches="1", **kw):
-    return run_engine(spec(model, prompts, pool, **kw), env=engine_env(patches), cwd=str(cwd))
+def engine(model, cwd, prompts, pool=None, patches="1", timeout=600, **kw):
+    # an engine here serves a few prompts in well under a minute; a request
+    # that never finishes (a load retried forever) fails the test in time
+    return run_engine(spec(model, prompts, pool, **kw), env=engine_env(patches), cwd=str(cwd),
+                      timeout=timeout)
 
 
 def ok(res):
@@ -197,8 +200,11 @@ def test_backend_error_in_a_lookup_is_a_miss(tiny_model_dir, work, pool_p, cold)
 
 
 def test_backend_error_in_a_load_recomputes(tiny_model_dir, work, pool_p, cold):
-    # P hits and its load fails; C1 (not in this pool) is served after it
-    res = ok(engine(tiny_model_dir, work, [P, COLD[1]], policy="recompute",
+    # P hits and its load fails; C1 (not in this pool) is served after it.
+    # The failing backend cannot drop the entries either: without the rule
+    # "a request whose load failed recomputes without the pool" P would hit
+    # and fail again forever.
+    res = ok(engine(tiny_model_dir, work, [P, COLD[1]], policy="recompute", timeout=240,
                     pool=dict(pool_p, debug_backend_fault="load")))
     assert toks(res) == [cold["P"], cold["C1"]]
     assert metric(res, "Requests with failed loads") == 1

@@ -137,7 +137,8 @@ class FaultInjectingBackend(Backend):
     BackendError, as a backend failing at that point would."""
 
     _OPS = {"lookup": ("exists_all", "get_many", "read_many"),
-            "load": ("get_many", "read_many"),
+            # a backend whose reads fail cannot drop the entries either
+            "load": ("get_many", "read_many", "delete", "delete_groups"),
             "save": ("put_many",)}
 
     def __init__(self, inner: Backend, fault: str) -> None:
@@ -175,9 +176,11 @@ class FaultInjectingBackend(Backend):
         return self.inner.unpin(groups, owner)
 
     def delete(self, keys):
+        self._check("delete")
         return self.inner.delete(keys)
 
     def delete_groups(self, groups):
+        self._check("delete_groups")
         return self.inner.delete_groups(groups)
 
     def stats(self):
