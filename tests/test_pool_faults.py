@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -131,12 +132,19 @@ def test_an_engine_with_another_capacity_keeps_serving(tiny_model_dir, work, poo
 
 
 def test_a_reader_killed_inside_a_transaction_does_not_stop_eviction(tiny_model_dir, work,
-                                                                      cold):
-    # A process SIGKILLed inside an LMDB read transaction leaves a reader
-    # slot that pins the pages of its snapshot; left alone, evicted pages
-    # are never reused and every later save finds the pool full.
+                                                                      cold, tmp_path):
+    # While an engine runs on the pool, another process is SIGKILLed inside
+    # an LMDB read transaction.  Its reader slot stays and pins the pages of
+    # its snapshot: left alone, evicted pages are never reused and every
+    # later save finds the pool full.  (A slot left before an engine opens
+    # the pool is cleared by LMDB itself when the lock file is reset, so the
+    # kill happens between the engine's two phases.)
     pool = {"path": str(work / "pool-killed"), "capacity": "5MiB"}
-    ok(engine(tiny_model_dir, work, COLD[:2], pool=pool))
+    ready, go = tmp_path / "phase-2-ready", tmp_path / "phase-2-go"
+    run = start_engine(spec(tiny_model_dir, None, pool, phases=[
+        {"prompts": COLD[:2]},
+        {"prompts": COLD[2:], "announce": str(ready), "wait_for": str(go)}]),
+        env=engine_env(), cwd=str(work), timeout=600)
     code = textwrap.dedent(f"""
         import time
         from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
@@ -147,12 +155,16 @@ def test_a_reader_killed_inside_a_transaction_does_not_stop_eviction(tiny_model_
             time.sleep(600)
         be.read_many(keys[:1], hold)
         """)
+    while not ready.exists():
+        assert run.proc.poll() is None, run.result()["log"][-3000:]
+        time.sleep(0.1)
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "reading"
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
-    res = ok(engine(tiny_model_dir, work, COLD[2:], pool=pool))
-    assert toks(res) == [cold["C2"], cold["C3"]]
+    go.touch()
+    res = ok(run.result())
+    assert toks(res) == [cold[f"C{i}"] for i in range(4)]
     assert metric(res, "Blocks evicted") > 0
     assert metric(res, "Saves skipped (pool full)") == 0
     # what it saved after the evictions is there: a fresh engine hits C3

@@ -29,6 +29,13 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 ``fill``         ``[path, bytes]``: after the engine started, write a file of
                  that size (or until the filesystem is full) - a pool
                  filesystem filling up at runtime;
+``phases``       instead of ``prompts``/``batch``: a list of
+                 ``{"prompts", "batch", "announce", "wait_for", "kill"}``, served
+                 in order; before a phase the child creates the file
+                 ``announce``, then waits until the file ``wait_for`` exists
+                 (the test acts in between: kills a process, restarts a
+                 server); ``kill: [pid, seconds]`` SIGKILLs ``pid`` that many
+                 seconds into the phase (while its requests are in flight);
 ``umask``        the child's umask (e.g. 0: files as permissive as allowed);
 ``startup``      instead of prompts, ``{name: kv_connector_extra_config}``:
                  start one engine per config in this process and report each
@@ -171,6 +178,53 @@ def _output(o: Any, probe: list | None, max_tokens: int) -> dict[str, Any]:
             "drafts": None if probe is None else probe[-max_tokens:]}
 
 
+def _before_phase(phase: dict[str, Any]) -> None:
+    import signal
+    import threading
+    import time
+
+    if phase.get("announce"):
+        open(phase["announce"], "w").close()
+    if phase.get("wait_for"):
+        deadline = time.monotonic() + 600
+        while not os.path.exists(phase["wait_for"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nobody created {phase['wait_for']}")
+            time.sleep(0.05)
+    if phase.get("kill"):
+        pid, seconds = phase["kill"]
+
+        def kill() -> None:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                print(f"killed {pid}", flush=True)
+            except ProcessLookupError:
+                pass
+
+        threading.Timer(float(seconds), kill).start()
+
+
+def _serve(llm: Any, phase: dict[str, Any], sp: Any, spec: dict[str, Any], probe: list | None,
+           max_tokens: int) -> list[dict[str, Any]]:
+    prompts = [{"prompt_token_ids": _prompt(p)} for p in phase["prompts"]]
+    if phase.get("batch"):
+        return [_output(o, None, max_tokens) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    out = []
+    for prompt in prompts:
+        if spec.get("cold"):
+            llm.reset_prefix_cache()
+        if probe is not None:
+            probe.clear()
+        try:
+            o = llm.generate([prompt], sp, use_tqdm=False)[0]
+        except Exception as exc:  # noqa: BLE001 - does the engine go on?
+            out.append({"tokens": [], "cached": 0, "logprobs": [], "drafts": None,
+                        "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        out.append(_output(o, probe, max_tokens))
+    return out
+
+
 def _legacy_block_hash() -> None:
     from vllm_layerwise_patch.pool.layout import PoolLayout
 
@@ -251,23 +305,10 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         return {"out": out, "error": f"{type(exc).__name__}: {exc}"}
     if spec.get("fill"):
         _fill(*spec["fill"])
-    prompts = [{"prompt_token_ids": _prompt(p)} for p in spec["prompts"]]
-    if spec.get("batch"):
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        out = [_output(o, None, max_tokens) for o in outs]
-    else:
-        for prompt in prompts:
-            if spec.get("cold"):
-                llm.reset_prefix_cache()
-            if probe is not None:
-                probe.clear()
-            try:
-                o = llm.generate([prompt], sp, use_tqdm=False)[0]
-            except Exception as exc:  # noqa: BLE001 - does the engine go on?
-                out.append({"tokens": [], "cached": 0, "logprobs": [], "drafts": None,
-                            "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            out.append(_output(o, probe, max_tokens))
+    phases = spec.get("phases") or [{"prompts": spec["prompts"], "batch": spec.get("batch")}]
+    for phase in phases:
+        _before_phase(phase)
+        out += _serve(llm, phase, sp, spec, probe, max_tokens)
     try:
         llm.llm_engine.do_log_stats()  # flush vLLM's stats log (KV Transfer metrics)
     except Exception:  # noqa: BLE001
