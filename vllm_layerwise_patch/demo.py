@@ -27,14 +27,14 @@ import json, os, sys, time
 from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, tiny_prompt
 from vllm import LLM, SamplingParams
 
-model, pool, out, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+model, extra, out, n = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640,
                        disable_log_stats=False)
 kw["kv_transfer_config"] = {
     "kv_connector": "LayerwisePoolConnector",
     "kv_connector_module_path": "vllm_layerwise_patch.pool",
     "kv_role": "kv_both",
-    "kv_connector_extra_config": {"path": pool, "capacity": "1GiB"}}
+    "kv_connector_extra_config": extra}
 t0 = time.perf_counter()
 llm = LLM(model=model, **kw)
 t1 = time.perf_counter()
@@ -53,7 +53,7 @@ json.dump({"tokens": list(res.outputs[0].token_ids),
 """
 
 
-def _run_engine(model_dir: Path, pool: Path, tmp: Path, name: str, n: int) -> dict:
+def _run_engine(model_dir: Path, pool: dict, tmp: Path, name: str, n: int) -> dict:
     reports = tmp / f"reports-{name}"
     result = tmp / f"result-{name}.json"
     env = dict(os.environ)
@@ -63,7 +63,7 @@ def _run_engine(model_dir: Path, pool: Path, tmp: Path, name: str, n: int) -> di
         VLLM_LAYERWISE_PATCH_REPORT_DIR=str(reports),
         VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
     )
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(model_dir), str(pool),
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(model_dir), json.dumps(pool),
                            str(result), str(n)], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n", file=sys.stderr)
@@ -86,11 +86,16 @@ def run(argv: list[str]) -> int:
                     help="where to build the tiny model (default: a cache dir)")
     ap.add_argument("--prompt-tokens", type=int, default=2000,
                     help="prompt length (block size is 640 on this model)")
+    ap.add_argument("--backend", choices=("lmdb", "mooncake"), default="lmdb",
+                    help="lmdb: the embedded pool; mooncake: a Mooncake Store master and "
+                         "segment holder started on loopback for the demo")
     ns = ap.parse_args(argv)
 
     from .testing.tiny_model import build_tiny_qwen3_next, default_tiny_model_dir
 
-    print("vllm-layerwise-patch demo: hybrid prefix hit from the embedded pool "
+    where = ("the embedded pool" if ns.backend == "lmdb" else
+             "a Mooncake Store pool (master and segment holder on loopback)")
+    print(f"vllm-layerwise-patch demo: hybrid prefix hit from {where} "
           "(CPU, Model Runner V2 emulated with the Triton interpreter)\n")
     model_dir = Path(ns.model_dir) if ns.model_dir else default_tiny_model_dir()
     print(f"[1/4] tiny hybrid Qwen3-Next (3 GDN + 1 attention layers) in {model_dir}",
@@ -99,15 +104,27 @@ def run(argv: list[str]) -> int:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     tmp = Path(tempfile.mkdtemp(prefix="vlp-demo-"))
     pool = Path(tempfile.mkdtemp(prefix="vlp-demo-pool-", dir=shm))
+    extra: dict = {"path": str(pool), "capacity": "1GiB"}
+    local = None
+    if ns.backend == "mooncake":
+        from .mooncake_local import LocalMooncake, free_port
+
+        local = LocalMooncake(tmp / "mooncake", rpc_port=free_port(), metrics_port=free_port(),
+                              holder=1 << 30, holder_port=free_port()).start()
+        extra = {"backend": "mooncake", "mooncake": {
+            "master_address": local.master_address, "global_segment_size": 0}}
+        where = f"Mooncake master {local.master_address}, holder {local.holder_address}"
+    else:
+        where = str(pool)
     try:
-        print(f"[2/4] engine A (cold, empty pool at {pool}) ...", flush=True)
+        print(f"[2/4] engine A (cold, empty pool at {where}) ...", flush=True)
         t0 = time.perf_counter()
-        a = _run_engine(model_dir, pool, tmp, "A", ns.prompt_tokens)
+        a = _run_engine(model_dir, extra, tmp, "A", ns.prompt_tokens)
         print(f"      {time.perf_counter() - t0:.0f} s; prompt {a['prompt_len']} tokens, "
               f"block {a['block_size']}, hit {a['hit_tokens']} tokens, TTFT {_ttft(a)}")
         print("[3/4] engine B (new process, empty HBM cache, same pool) ...", flush=True)
         t0 = time.perf_counter()
-        b = _run_engine(model_dir, pool, tmp, "B", ns.prompt_tokens)
+        b = _run_engine(model_dir, extra, tmp, "B", ns.prompt_tokens)
         print(f"      {time.perf_counter() - t0:.0f} s; hit {b['hit_tokens']} tokens "
               f"from the pool, TTFT {_ttft(b)}")
         same_tokens = a["tokens"] == b["tokens"]
@@ -134,5 +151,7 @@ def run(argv: list[str]) -> int:
               else "NOT OK")
         return 0 if ok else 1
     finally:
+        if local is not None:
+            local.stop()
         shutil.rmtree(pool, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)

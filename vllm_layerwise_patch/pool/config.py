@@ -61,25 +61,113 @@ def default_path() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "vllm-layerwise-pool")
 
 
+def _address(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected 'host:port', got {v!r}")
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected 'host:port', got {v!r}")
+    return v
+
+
+class MooncakeConfig(BaseModel):
+    """``kv_connector_extra_config.mooncake``: the Mooncake Store client."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    master_address: str = Field(
+        default="127.0.0.1:50051", description="the `mooncake_master` RPC address (host:port)")
+    metadata_server: str = Field(
+        default="P2PHANDSHAKE",
+        description="`P2PHANDSHAKE` (no metadata server) or an HTTP metadata server "
+                    "`http://host:port/metadata`; every member of the pool uses the same")
+    protocol: Literal["tcp", "rdma"] = Field(
+        default="tcp", description="transfer protocol: `tcp`, or `rdma` where the NICs have it")
+    rdma_devices: str = Field(default="", description="RDMA devices (e.g. `mlx5_0`), rdma only")
+    local_hostname: str = Field(
+        default="127.0.0.1",
+        description="the address this client advertises to peers (loopback: one machine)")
+    global_segment_size: int = Field(
+        default=4 << 30,
+        description="pool memory each worker process contributes (`0`: none, e.g. when a "
+                    "`mooncake_client` holds the memory); it leaves with the process")
+    local_buffer_size: int = Field(
+        default=256 << 20,
+        description="registered staging buffer per process for loads and saves (a quarter "
+                    "must hold one layer's pages of a step)")
+    replica_num: int = Field(default=1, ge=1, le=16, description="replicas per entry")
+    client_address: str | None = Field(
+        default=None,
+        description="a same-node `mooncake_client` (host:port) holding the memory: loads "
+                    "and saves go through shared memory (`setup_dummy`)")
+    reconnect_seconds: float = Field(
+        default=10.0, gt=0, le=3600,
+        description="while the master is unreachable, how often to try again")
+
+    @field_validator("master_address", mode="before")
+    @classmethod
+    def _master(cls, v: Any) -> str:
+        return _address(v)
+
+    @field_validator("client_address", mode="before")
+    @classmethod
+    def _client(cls, v: Any) -> str | None:
+        return None if v is None else _address(v)
+
+    @field_validator("metadata_server")
+    @classmethod
+    def _metadata(cls, v: str) -> str:
+        if v != "P2PHANDSHAKE" and not v.startswith(("http://", "https://", "etcd://")):
+            raise ValueError(f"expected 'P2PHANDSHAKE' or an http:// metadata server URL, "
+                             f"got {v!r}")
+        return v
+
+    @field_validator("global_segment_size", mode="before")
+    @classmethod
+    def _segment(cls, v: Any) -> int:
+        return 0 if v in (0, "0") else parse_size(v)
+
+    @field_validator("local_buffer_size", mode="before")
+    @classmethod
+    def _buffer(cls, v: Any) -> int:
+        return parse_size(v)
+
+    @field_validator("reconnect_seconds", mode="before")
+    @classmethod
+    def _reconnect(cls, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"expected seconds, got {v!r}")
+        return float(v)
+
+
 class PoolConfig(BaseModel):
     """The pool connector's settings (README: "kv_connector_extra_config")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    backend: Literal["lmdb"] = Field(
-        default="lmdb", description="storage backend: `lmdb` (embedded, one machine)")
+    backend: Literal["lmdb", "mooncake"] = Field(
+        default="lmdb", description="storage backend: `lmdb` (embedded, one machine) or "
+                                    "`mooncake` (Mooncake Store, many machines)")
+    mooncake: MooncakeConfig = Field(
+        default_factory=MooncakeConfig,
+        description="the Mooncake client (backend `mooncake`): see the table below")
+    on_backend_unavailable: Literal["recompute", "fail"] = Field(
+        default="recompute",
+        description="a distributed backend that cannot be reached at startup: `recompute` "
+                    "serves without pool hits until it answers (logged once), `fail` stops "
+                    "the engine with the address")
     path: str = Field(
         default_factory=default_path, min_length=1,
-        description="pool directory; the default is per user "
+        description="lmdb: pool directory; the default is per user "
                     "(`/dev/shm/vllm-layerwise-pool-<uid>`, tmpfs: RAM)")
     capacity: int = Field(
         default=4 << 30,
-        description="maximum pool size: bytes or a size with an exact unit (`512MiB`, "
+        description="lmdb: maximum pool size: bytes or a size with an exact unit (`512MiB`, "
                     "`8GiB`, `1TiB`; `GB` = 10^9); least recently used blocks are "
                     "evicted; the filesystem under `path` must hold it")
     shared_group: str | None = Field(
         default=None, min_length=1,
-        description="a group whose members share the pool (directory 2770, files 0660 "
+        description="lmdb: a group whose members share the pool (directory 2770, files 0660 "
                     "of that group); unset: private to this user (0700/0600)")
     prefetch_layers: int = Field(default=2, ge=1, le=64,
                                  description="layers loaded ahead of compute")
@@ -144,14 +232,28 @@ class PoolConfig(BaseModel):
 
     @classmethod
     def markdown_table(cls) -> str:
-        """The README's table of fields (scripts/render_readme.py)."""
-        rows = ["| `kv_connector_extra_config` field | default | meaning |", "|---|---|---|"]
-        for name, f in cls.model_fields.items():
-            default = ("per user" if name == "path" else
-                       "`4GiB`" if name == "capacity" else
-                       "unset" if f.default is None else f"`{json.dumps(f.default)}`")
-            rows.append(f"| `{name}` | {default} | {f.description} |")
-        return "\n".join(rows) + "\n"
+        """The README's tables of fields (scripts/render_readme.py)."""
+        return (_table(cls, "kv_connector_extra_config") + "\n"
+                + _table(MooncakeConfig, "kv_connector_extra_config.mooncake"))
+
+
+_SIZE_DEFAULTS = {"capacity": "`4GiB`", "global_segment_size": "`4GiB`",
+                  "local_buffer_size": "`256MiB`"}
+
+
+def _table(model: type[BaseModel], prefix: str) -> str:
+    rows = [f"| `{prefix}` field | default | meaning |", "|---|---|---|"]
+    for name, f in model.model_fields.items():
+        if name == "path":
+            default = "per user"
+        elif name in _SIZE_DEFAULTS:
+            default = _SIZE_DEFAULTS[name]
+        elif f.default_factory is not None:
+            default = "see below"
+        else:
+            default = "unset" if f.default is None else f"`{json.dumps(f.default)}`"
+        rows.append(f"| `{name}` | {default} | {f.description} |")
+    return "\n".join(rows) + "\n"
 
 
 def _describe(exc: ValidationError) -> str:
@@ -159,10 +261,11 @@ def _describe(exc: ValidationError) -> str:
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "(root)"
         if err["type"] == "extra_forbidden":
-            msg = (f"unknown field (known: {', '.join(PoolConfig.field_names())})")
+            model = MooncakeConfig if err["loc"][0] == "mooncake" else PoolConfig
+            msg = f"unknown field (known: {', '.join(model.model_fields)})"
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            if "input" in err and err["type"] != "missing":
+            if "input" in err and err["type"] != "missing" and repr(err["input"]) not in msg:
                 msg += f" (got {err['input']!r})"
         lines.append(f"{PREFIX}.{field}: {msg}")
     return "; ".join(lines)

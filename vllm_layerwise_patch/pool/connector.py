@@ -27,9 +27,19 @@ from .layout import PoolLayout
 logger = logging.getLogger("vllm.layerwise_patch")
 
 
-def open_backend(config: PoolConfig, fault_role: str | None = None):
-    """The configured backend (``fault_role``: tests' debug_backend_fault
-    applies to this side's operations)."""
+def _open_store(config: PoolConfig, role: str | None):
+    if config.backend == "mooncake":
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError as exc:
+            raise PoolConfigError(
+                "kv_connector_extra_config.backend: 'mooncake' needs Mooncake Store: pip "
+                "install 'vllm-layerwise-patch[mooncake]' (on CPU machines also Debian's "
+                f"libibverbs1): {exc}") from exc
+        from .backends.mooncake import open_shared as open_mooncake
+
+        return open_mooncake(config.mooncake, on_unavailable=config.on_backend_unavailable,
+                             segment=role == "worker")
     try:
         import lmdb  # noqa: F401
     except ImportError as exc:
@@ -38,8 +48,14 @@ def open_backend(config: PoolConfig, fault_role: str | None = None):
             "pip install 'vllm-layerwise-patch[pool]'") from exc
     from .backends.lmdb import open_shared
 
-    backend = open_shared(config.path, config.capacity, pin_seconds=config.pin_seconds,
-                          shared_group=config.shared_group)
+    return open_shared(config.path, config.capacity, pin_seconds=config.pin_seconds,
+                       shared_group=config.shared_group)
+
+
+def open_backend(config: PoolConfig, fault_role: str | None = None):
+    """The configured backend (``fault_role``: this side, "scheduler" or
+    "worker"; tests' debug_backend_fault applies to its operations)."""
+    backend = _open_store(config, fault_role)
     fault = config.debug_backend_fault
     if fault and fault_role is not None and (fault == "lookup") == (fault_role == "scheduler"):
         from .backends.base import FaultInjectingBackend

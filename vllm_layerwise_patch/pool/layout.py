@@ -79,6 +79,7 @@ class PoolLayout:
     hash_block_size: int  # tokens per request.block_hashes entry
     tp_size: int = 1
     pp_size: int = 1
+    page_bytes: int = 0  # the largest page of any group (an upper bound for reads)
 
     def __post_init__(self) -> None:
         check_unique_ids(n for names in self.group_layers for n in names)
@@ -103,7 +104,8 @@ class PoolLayout:
                        hash_block_size=resolve_hash_block_size(vllm_config, kv_cache_config,
                                                                block),
                        tp_size=int(pc.tensor_parallel_size),
-                       pp_size=int(pc.pipeline_parallel_size))
+                       pp_size=int(pc.pipeline_parallel_size),
+                       page_bytes=max(int(s.page_size_bytes) for s in specs))
         except ValueError as exc:
             if isinstance(exc, PoolConfigError):
                 raise

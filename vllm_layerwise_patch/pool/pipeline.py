@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from .backends.base import Backend, PoolFull, pack, unpack
+from .backends.base import HEADER_SIZE, Backend, PoolFull, pack, unpack
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -128,7 +128,8 @@ class LayerwisePipeline:
                 self._fail(layer, i, key, dests, exc)
 
         try:
-            self.backend.read_many([k for k, _ in items], consume)
+            self.backend.read_many([k for k, _ in items], consume,
+                                   [HEADER_SIZE + d[0].numel() for _, d in items])
         except Exception as exc:
             if not tolerate:
                 raise

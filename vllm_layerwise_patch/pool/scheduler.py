@@ -37,7 +37,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from .backends.base import CorruptEntry, unpack
+from .backends.base import HEADER_SIZE, CorruptEntry, unpack
 from .keys import ATTN, STATE, group_key, marker_key, page_key
 from .layout import PoolLayout
 
@@ -168,7 +168,8 @@ class PoolScheduler:
                 broken.add(group_key(self.ns, kind, hashes[i], tp))
                 sound[kind][i] = False
 
-        self.backend.read_many([k for *_, k in keys], check)
+        self.backend.read_many([k for *_, k in keys], check,
+                               [HEADER_SIZE + self.layout.page_bytes] * len(keys))
         if broken:
             self.backend.delete_groups(sorted(broken))
         return sound[ATTN], sound[STATE]

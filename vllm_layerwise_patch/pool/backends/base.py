@@ -93,20 +93,25 @@ class Backend(abc.ABC):
         """Existence of each key (cheap: no value read)."""
 
     @abc.abstractmethod
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        """Values (with header) or None when absent."""
+    def get_many(self, keys: list[bytes], sizes: list[int] | None = None) -> list[bytes | None]:
+        """Values (with header) or None when absent.  ``sizes``: the largest
+        each value can be (header included); a backend that reads into
+        buffers of its own sizes them by it."""
 
-    def read_many(self, keys: list[bytes], consume: Consumer) -> None:
+    def read_many(self, keys: list[bytes], consume: Consumer,
+                  sizes: list[int] | None = None) -> None:
         """Call ``consume(index, key, value_or_None)`` for each key.  A backend
         may pass zero-copy views that are valid only during the call."""
-        for i, (k, v) in enumerate(zip(keys, self.get_many(keys))):
+        for i, (k, v) in enumerate(zip(keys, self.get_many(keys, sizes))):
             consume(i, k, v)
 
     @abc.abstractmethod
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Store all items atomically (readers see all or none); evicts
-        least recently used unpinned groups when full; raises PoolFull when
-        no room can be made."""
+        """Store all items so that a reader never sees a commit marker
+        (``.../commit``) before the pages it covers: atomically where the
+        store has transactions, else pages first and markers only once every
+        page is stored.  Evicts least recently used unpinned groups when
+        full; raises PoolFull when no room can be made."""
 
     def touch(self, groups: Iterable[bytes]) -> None:
         """Mark whole groups as just used (eviction order)."""
@@ -154,13 +159,13 @@ class FaultInjectingBackend(Backend):
         self._check("exists_all")
         return self.inner.exists_all(keys)
 
-    def get_many(self, keys):
+    def get_many(self, keys, sizes=None):
         self._check("get_many")
-        return self.inner.get_many(keys)
+        return self.inner.get_many(keys, sizes)
 
-    def read_many(self, keys, consume):
+    def read_many(self, keys, consume, sizes=None):
         self._check("read_many")
-        return self.inner.read_many(keys, consume)
+        return self.inner.read_many(keys, consume, sizes)
 
     def put_many(self, items):
         self._check("put_many")

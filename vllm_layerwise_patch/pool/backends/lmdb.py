@@ -198,7 +198,7 @@ class LmdbBackend(Backend):
             cur = txn.cursor(db=self.data)
             return [cur.set_key(k) for k in keys]
 
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: list[bytes], sizes: list[int] | None = None) -> list[bytes | None]:
         with self._txn() as txn:
             out = []
             for k in keys:
@@ -206,7 +206,7 @@ class LmdbBackend(Backend):
                 out.append(None if v is None else bytes(v))
             return out
 
-    def read_many(self, keys: list[bytes], consume) -> None:
+    def read_many(self, keys: list[bytes], consume, sizes: list[int] | None = None) -> None:
         # zero-copy: values are views into the map, valid inside this txn
         with self._txn() as txn:
             for i, k in enumerate(keys):

