@@ -58,7 +58,7 @@ def test_put_get_exists_upsert_and_group_delete(cluster):
     be = backend(cluster.master_address)
     be.put_many([(b"t1/g/L0", pack(NS, b"a" * 1000)), (b"t1/g/commit", pack(NS, b"")),
                  (b"t1/h/L0", pack(NS, b"b" * 10))])
-    assert be.exists_all([b"t1/g/L0", b"t1/g/commit", b"t1/nope"]) == [True, True, False]
+    assert be.exists_many([b"t1/g/L0", b"t1/g/commit", b"t1/nope"]) == [True, True, False]
     got = be.get_many([b"t1/g/L0", b"t1/nope"], [2000, 2000])
     assert bytes(unpack(b"k", got[0], NS)) == b"a" * 1000 and got[1] is None
     # Mooncake's put keeps an existing value; the backend replaces it (upsert)
@@ -70,7 +70,7 @@ def test_put_get_exists_upsert_and_group_delete(cluster):
                  [100])
     assert seen == [b""]
     be.delete_groups([b"t1/g"])
-    assert be.exists_all([b"t1/g/L0", b"t1/g/commit", b"t1/h/L0"]) == [False, False, True]
+    assert be.exists_many([b"t1/g/L0", b"t1/g/commit", b"t1/h/L0"]) == [False, False, True]
     be.close()
 
 
@@ -80,7 +80,7 @@ def test_no_segment_is_pool_full_and_no_marker_is_written(tmp_path):
         be = backend(lm.master_address)
         with pytest.raises(PoolFull, match="no segment"):
             be.put_many([(b"t2/g/L0", pack(NS, b"a" * 1000)), (b"t2/g/commit", pack(NS, b""))])
-        assert be.exists_all([b"t2/g/commit"]) == [False]
+        assert be.exists_many([b"t2/g/commit"]) == [False]
         be.close()
     finally:
         lm.stop()
@@ -95,7 +95,7 @@ def test_master_down_fails_fast_and_reconnects(tmp_path):
         be.put_many([(b"t3/g/L0", pack(NS, b"a" * 100))])
         lm.kill("master")
         with pytest.raises(BackendUnavailable, match=lm.master_address):
-            be.exists_all([b"t3/g/L0"])
+            be.exists_many([b"t3/g/L0"])
         t0 = time.monotonic()
         with pytest.raises(BackendUnavailable):  # no 4 s RPC time-out per call
             be.get_many([b"t3/g/L0"], [200])
@@ -109,7 +109,7 @@ def test_master_down_fails_fast_and_reconnects(tmp_path):
             except BackendUnavailable:
                 assert time.monotonic() < deadline, "no reconnect"
                 time.sleep(0.5)
-        assert be.exists_all([b"t3/g/L1"]) == [True]
+        assert be.exists_many([b"t3/g/L1"]) == [True]
         be.close()
     finally:
         lm.stop()
@@ -123,7 +123,7 @@ def test_master_unreachable_at_startup(tmp_path):
     be = backend(dead)  # on_backend_unavailable = recompute (the default)
     assert time.monotonic() - t0 < 10
     with pytest.raises(BackendUnavailable, match=dead):
-        be.exists_all([b"x"])
+        be.exists_many([b"x"])
     with pytest.raises(PoolConfigError) as e:
         from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
 

@@ -71,17 +71,17 @@ def _block(i, size=200_000, layers=2):
 
 def _present(be, i, layers=2):
     g = f"ns/attn/{i:04d}/tp0"
-    return be.exists_all([f"{g}/L{j}".encode() for j in range(layers)] + [f"{g}/commit".encode()])
+    return be.exists_many([f"{g}/L{j}".encode() for j in range(layers)] + [f"{g}/commit".encode()])
 
 
 def test_lmdb_put_get_exists_delete(tmp_path):
     be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
     be.put_many([(b"a", pack(NS, b"1")), (b"b", pack(NS, b"22"))])
-    assert be.exists_all([b"a", b"b", b"c"]) == [True, True, False]
+    assert be.exists_many([b"a", b"b", b"c"]) == [True, True, False]
     got = be.get_many([b"b", b"c"])
     assert bytes(unpack(b"b", got[0], NS)) == b"22" and got[1] is None
     be.delete([b"a"])
-    assert be.exists_all([b"a"]) == [False]
+    assert be.exists_many([b"a"]) == [False]
     be.close()
 
 
@@ -163,7 +163,7 @@ def test_lmdb_is_safe_for_several_processes(tmp_path):
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
     be = LmdbBackend(path, 256 << 20)
     keys = [f"{w}-{i}".encode() for w in range(3) for i in range(200)]
-    assert all(be.exists_all(keys))
+    assert all(be.exists_many(keys))
     vals = be.get_many([b"2-7"])
     assert bytes(unpack(b"2-7", vals[0], NS)) == bytes([7]) * 4096
     be.close()
@@ -188,7 +188,7 @@ def test_lmdb_engines_with_different_capacities_share_one_pool(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.split()[-1] == "0"  # 12 MB in a 32 MiB map: no eviction
-    assert small.exists_all([b"ns/attn/0150/tp0/L0", b"ns/attn/0000/tp0/L0"]) == [True, True]
+    assert small.exists_many([b"ns/attn/0150/tp0/L0", b"ns/attn/0000/tp0/L0"]) == [True, True]
     small.put_many(_block(1))  # writes into the grown map
     assert small.map_size == 32 << 20
     assert _present(small, 1) == [True] * 3
@@ -420,7 +420,7 @@ def test_save_queue_commit_leaves_out_excluded_pages(tmp_path):
     pages = torch.randint(0, 256, (2, 64), dtype=torch.uint8)
     q.submit([(b"keep", pages[0]), (b"drop", pages[1])])
     assert q.commit([b"m"], exclude={b"drop"}) is True
-    assert be.exists_all([b"keep", b"drop", b"m"]) == [True, False, True]
+    assert be.exists_many([b"keep", b"drop", b"m"]) == [True, False, True]
     q.close()
     be.close()
 
@@ -540,7 +540,7 @@ def test_lookup_verification_shortens_the_hit_and_drops_the_block(stored):
     sched.backend.put_many([(key, pack(NS, b"x" * 8)[:-3])])  # truncated state at block 3
     assert sched.lookup(req, 0) == 3
     # the whole block's state group went, marker included: it can be saved again
-    assert sched.backend.exists_all([key, marker_key(NS, STATE, hashes[3], 0)]) == [False] * 2
+    assert sched.backend.exists_many([key, marker_key(NS, STATE, hashes[3], 0)]) == [False] * 2
     key = page_key(NS, ATTN, hashes[1], 0, "0")
     sched.backend.put_many([(key, pack(b"O" * 16, b"x" * 8))])  # foreign attention page
     assert sched.lookup(req, 0) == 1
@@ -548,7 +548,7 @@ def test_lookup_verification_shortens_the_hit_and_drops_the_block(stored):
     # a page that vanished (its marker stayed): the marker is dropped too
     sched.backend.delete([page_key(NS, ATTN, hashes[0], 0, "0")])
     assert sched.lookup(req, 0) == 0
-    assert sched.backend.exists_all([marker_key(NS, ATTN, hashes[0], 0)]) == [False]
+    assert sched.backend.exists_many([marker_key(NS, ATTN, hashes[0], 0)]) == [False]
 
 
 def test_a_hit_pins_and_refreshes_what_its_load_reads(stored):
@@ -611,9 +611,9 @@ def test_save_queue_commits_pages_and_markers_in_one_transaction(tmp_path):
     pages = torch.randint(0, 256, (3, 512), dtype=torch.uint8)
     q.submit([(b"p0", pages[0]), (b"p1", pages[1])])
     q.submit([(b"p2", pages[2])])
-    assert be.exists_all([b"p0", b"m"]) == [False, False]  # nothing before commit
+    assert be.exists_many([b"p0", b"m"]) == [False, False]  # nothing before commit
     assert q.commit([b"m"]) is True
-    assert be.exists_all([b"p0", b"p1", b"p2", b"m"]) == [True] * 4
+    assert be.exists_many([b"p0", b"p1", b"p2", b"m"]) == [True] * 4
     got = be.get_many([b"p2"])[0]
     assert bytes(unpack(b"p2", got, NS)) == pages[2].numpy().tobytes()
     assert q.bytes_saved > 3 * 512
@@ -651,7 +651,7 @@ def test_save_queue_full_pool_and_failures_are_counted_not_raised(tmp_path):
     messages = [r.getMessage() for r in records]
     assert sum("no room for this step's saves" in m for m in messages) == 1
     assert sum("a save failed" in m for m in messages) == 1
-    assert be.exists_all([b"m", b"m2", b"small"]) == [False] * 3  # no marker without pages
+    assert be.exists_many([b"m", b"m2", b"small"]) == [False] * 3  # no marker without pages
     q.close()
     failing.close()
     be.close()

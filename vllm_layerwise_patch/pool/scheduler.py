@@ -126,7 +126,7 @@ class PoolScheduler:
     # -- lookup ----------------------------------------------------------------
     def _present(self, kind: str, hashes: list[bytes]) -> list[bool]:
         keys = [marker_key(self.ns, kind, h, tp) for h in hashes for tp in range(self.tp_size)]
-        found = self.backend.exists_all(keys)
+        found = self.backend.exists_many(keys)
         t = self.tp_size
         return [all(found[i * t:(i + 1) * t]) for i in range(len(hashes))]
 

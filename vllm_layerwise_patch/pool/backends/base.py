@@ -89,7 +89,7 @@ class Backend(abc.ABC):
     """Key/value store of raw bytes, safe for several processes."""
 
     @abc.abstractmethod
-    def exists_all(self, keys: Iterable[bytes]) -> list[bool]:
+    def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
         """Existence of each key (cheap: no value read)."""
 
     @abc.abstractmethod
@@ -141,7 +141,7 @@ class FaultInjectingBackend(Backend):
     """Tests only (``debug_backend_fault``): the named operations raise
     BackendError, as a backend failing at that point would."""
 
-    _OPS = {"lookup": ("exists_all", "get_many", "read_many"),
+    _OPS = {"lookup": ("exists_many", "get_many", "read_many"),
             # a backend whose reads fail cannot drop the entries either
             "load": ("get_many", "read_many", "delete", "delete_groups"),
             "save": ("put_many",)}
@@ -155,9 +155,9 @@ class FaultInjectingBackend(Backend):
         if op in self.failing:
             raise BackendError(f"injected fault in {op} (debug_backend_fault={self.fault!r})")
 
-    def exists_all(self, keys):
-        self._check("exists_all")
-        return self.inner.exists_all(keys)
+    def exists_many(self, keys):
+        self._check("exists_many")
+        return self.inner.exists_many(keys)
 
     def get_many(self, keys, sizes=None):
         self._check("get_many")

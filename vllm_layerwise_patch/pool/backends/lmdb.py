@@ -193,7 +193,7 @@ class LmdbBackend(Backend):
         return False
 
     # -- reads -----------------------------------------------------------------
-    def exists_all(self, keys: Iterable[bytes]) -> list[bool]:
+    def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
         with self._txn() as txn:
             cur = txn.cursor(db=self.data)
             return [cur.set_key(k) for k in keys]

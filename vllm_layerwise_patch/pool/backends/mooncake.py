@@ -262,7 +262,7 @@ class MooncakeBackend(Backend):
                         "(further %d codes are not logged)", op, key, _describe(code), code)
 
     # -- reads -----------------------------------------------------------------
-    def exists_all(self, keys: Iterable[bytes]) -> list[bool]:
+    def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
         keys = [k.decode() for k in keys]
         if not keys:
             return []

@@ -1,0 +1,147 @@
+"""Benchmark the pool's storage backends on this machine, side by side in one
+run, as ratios to a memcpy of the same bytes measured in the same run:
+
+* ``lmdb``: the embedded pool on /dev/shm;
+* ``mooncake-tcp``: Mooncake Store, the memory in a separate segment holder
+  (``mooncake_client``), reached over TCP loopback;
+* ``mooncake-shm``: the same holder reached through shared memory
+  (``client_address``: Mooncake's same-node path);
+* ``mooncake-own``: this process holds the segment (nothing crosses a socket).
+
+Loads go through the worker's real path (``LayerwisePipeline``: per-layer
+``read_many`` batches, header and length checked, copied into KV pages);
+saves are the backend's ``put_many`` of packed pages (one step's worth).
+Pages of 160 KiB (the tiny model's) and 2 MiB.  A loopback master and holder
+are started and stopped by the benchmark (``mooncake-local``).
+
+    python benchmarks/bench_backends.py [--out benchmarks/results/backends.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+
+from vllm_layerwise_patch.pool.backends.base import pack
+from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
+
+NS = b"B" * 16
+LAYERS = 8
+
+
+def _open(kind: str, cluster, tmp: str, capacity: int):
+    from vllm_layerwise_patch.pool.config import PoolConfig
+
+    if kind == "lmdb":
+        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+
+        return LmdbBackend(os.path.join(tmp, "lmdb"), capacity, pin_seconds=0)
+    from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
+
+    mc = {"master_address": cluster.master_address, "local_buffer_size": "128MiB",
+          "global_segment_size": 0}
+    if kind == "mooncake-shm":
+        mc["client_address"] = cluster.holder_address
+    if kind == "mooncake-own":
+        mc["global_segment_size"] = capacity
+    cfg = PoolConfig.from_extra({"backend": "mooncake", "mooncake": mc})
+    be = MooncakeBackend(cfg.mooncake)
+    if kind == "mooncake-own":
+        be.mount_segment()
+    return be
+
+
+def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str) -> dict:
+    blocks = max(1, total // (LAYERS * page))
+    nbytes = LAYERS * blocks * page
+    be = _open(kind, cluster, tmp, max(nbytes * (repeats + 2), 256 << 20))
+    src = {f"model.layers.{i}.x": torch.randint(0, 256, (blocks, page), dtype=torch.uint8)
+           for i in range(LAYERS)}
+    dest = {n: torch.zeros_like(t) for n, t in src.items()}
+    order = list(src)
+    values = {(n, b): pack(NS, src[n][b].numpy().tobytes()) for n in order
+              for b in range(blocks)}
+    pipe = LayerwisePipeline(order, be, NS, prefetch=2, threads=2, check_crc=False)
+    save_s, load_s, memcpy_s = [], [], []
+    for r in range(repeats):
+        items = [(f"{kind}/{page}/{r}/{n}/{b}".encode(), values[(n, b)]) for n in order
+                 for b in range(blocks)]
+        t0 = time.perf_counter()
+        be.put_many(items)
+        save_s.append(time.perf_counter() - t0)
+        tasks = {n: [(f"{kind}/{page}/{r}/{n}/{b}".encode(), [dest[n][b]])
+                     for b in range(blocks)] for n in order}
+        t0 = time.perf_counter()
+        pipe.load_all(tasks)
+        load_s.append(time.perf_counter() - t0)
+        assert all(torch.equal(dest[n], src[n]) for n in order), kind
+        for t in dest.values():
+            t.zero_()
+        t0 = time.perf_counter()
+        for n in order:
+            dest[n].copy_(src[n])
+        memcpy_s.append(time.perf_counter() - t0)
+        be.delete([k for k, _ in items])
+    pipe.close()
+    be.close()
+    med = {k: statistics.median(v) for k, v in
+           (("save", save_s), ("load", load_s), ("memcpy", memcpy_s))}
+    gb = nbytes / 1e9
+    return {"backend": kind, "page_bytes": page, "pages_per_layer": blocks, "layers": LAYERS,
+            "bytes_per_pass": nbytes, "repeats": repeats,
+            "median_seconds": {k: round(v, 5) for k, v in med.items()},
+            "GB_per_s": {k: round(gb / v, 3) for k, v in med.items()},
+            "ratio_to_memcpy": {k: round(med["memcpy"] / med[k], 3) for k in ("save", "load")}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                   "backends.json"))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--mib-per-pass", type=int, default=64)
+    ap.add_argument("--backends", default="lmdb,mooncake-tcp,mooncake-shm,mooncake-own")
+    args = ap.parse_args()
+    kinds = args.backends.split(",")
+    from vllm_layerwise_patch.mooncake_local import LocalMooncake, free_port
+
+    tmp = tempfile.mkdtemp(prefix="vlp-bench-",
+                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    cluster = None
+    if any(k.startswith("mooncake") for k in kinds):
+        cluster = LocalMooncake(os.path.join(tmp, "mc"), rpc_port=free_port(),
+                                metrics_port=free_port(), holder=1 << 30,
+                                holder_port=free_port()).start()
+    results = []
+    try:
+        for page in (160 << 10, 2 << 20):
+            for kind in kinds:
+                r = run_case(kind, cluster, page, args.mib_per_pass << 20, args.repeats, tmp)
+                results.append(r)
+                print(f"{kind:>13} {page >> 10:>5} KiB pages: load {r['GB_per_s']['load']:6.2f}"
+                      f" GB/s ({r['ratio_to_memcpy']['load']:.2f}x memcpy), save "
+                      f"{r['GB_per_s']['save']:6.2f} GB/s ({r['ratio_to_memcpy']['save']:.2f}x),"
+                      f" memcpy {r['GB_per_s']['memcpy']:.2f} GB/s", flush=True)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    doc = {"benchmark": "pool backends: loads (LayerwisePipeline) and saves (put_many) vs "
+                        "memcpy, same run",
+           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                       "torch": torch.__version__},
+           "results": results}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
