@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -132,6 +133,7 @@ def main() -> None:
     finally:
         if cluster is not None:
             cluster.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     doc = {"benchmark": "pool backends: loads (LayerwisePipeline) and saves (put_many) vs "
                         "memcpy, same run",
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),

@@ -1,7 +1,8 @@
 """Benchmark the pool's transfer path alone (torch + LMDB, no vLLM): how fast
 pages go pool -> KV cache through LayerwisePipeline, and KV cache -> pool
-through page_bytes + pack + put_many, against a plain memcpy of the same
-bytes, side by side in one run (ratios, medians of repeats).
+through the send thread (SaveQueue: pack in place with the checksum, one
+transaction per step), against a plain memcpy of the same bytes, side by side
+in one run (ratios, medians of repeats).
 
     python benchmarks/bench_pipeline.py [--out benchmarks/results/pipeline.json]
 """
@@ -12,15 +13,15 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
 
 import torch
 
-from vllm_layerwise_patch.pool.backends.base import pack
 from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
-from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline, page_bytes
+from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline, SaveQueue
 
 NS = b"B" * 16
 
@@ -34,14 +35,17 @@ def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, thread
     caches = {f"model.layers.{i}.x": torch.randint(0, 256, (blocks, page), dtype=torch.uint8)
               for i in range(layers)}
     order = list(caches)
-    # save path: page -> bytes -> header -> one transaction per "step"
+    # save path: the send thread packs each layer's pages as they are
+    # submitted, then one transaction per "step"
+    saver = SaveQueue(be, NS)
     save_s = []
     for r in range(repeats):
         t0 = time.perf_counter()
-        items = [(f"{r}/{n}/{b}".encode(), pack(NS, page_bytes(caches[n][b])))
-                 for n in order for b in range(blocks)]
-        be.put_many(items)
+        for n in order:
+            saver.submit([(f"{r}/{n}/{b}".encode(), caches[n][b]) for b in range(blocks)])
+        assert saver.commit([])
         save_s.append(time.perf_counter() - t0)
+    saver.close()
     # load path: LayerwisePipeline into fresh pages, all layers
     dest = {n: torch.zeros_like(t) for n, t in caches.items()}
     load_s = []
@@ -63,6 +67,7 @@ def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, thread
         memcpy_s.append(time.perf_counter() - t0)
     pipe.close()
     be.close()
+    shutil.rmtree(path, ignore_errors=True)
     gb = total / 1e9
     med = {k: statistics.median(v) for k, v in
            (("save", save_s), ("load", load_s), ("memcpy", memcpy_s))}

@@ -16,6 +16,7 @@ import re
 import lmdb
 import pytest
 
+from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE
 from vllm_layerwise_patch.testing.engines import engine_env, kv_metrics, run_engine, toks
 
 pytestmark = pytest.mark.vllm
@@ -58,7 +59,7 @@ def hbm(tiny_model_dir, work):
 @pytest.fixture(scope="module")
 def pool_a(tiny_model_dir, work, baseline):
     """Engine A: serves P with an empty pool (and fills it)."""
-    pool = {"path": str(work / "pool"), "capacity": "256MiB"}
+    pool = {"path": str(work / "pool"), "capacity": "64MiB"}
     res = engine(tiny_model_dir, work, [P], pool=pool)
     assert res["error"] is None, res["error"]
     assert res["out"][0]["cached"] == 0
@@ -116,7 +117,7 @@ def _tamper(path, fn):
 
 
 def test_corrupted_entries_are_detected_and_recomputed(tiny_model_dir, work, baseline):
-    pool = {"path": str(work / "pool-corrupt"), "capacity": "256MiB"}
+    pool = {"path": str(work / "pool-corrupt"), "capacity": "64MiB"}
     res = engine(tiny_model_dir, work, [P], pool=pool)
     assert res["error"] is None
     keys = []
@@ -135,7 +136,7 @@ def test_corrupted_entries_are_detected_and_recomputed(tiny_model_dir, work, bas
         v = txn.get(truncated)
         txn.put(truncated, v[: len(v) - 1000])  # truncated entry
         v = bytearray(txn.get(foreign))
-        v[20:36] = b"F" * 16  # another namespace in the header
+        v[HEADER_SIZE - 16:HEADER_SIZE] = b"F" * 16  # another namespace in the header
         txn.put(foreign, bytes(v))
 
     _tamper(pool["path"], corrupt)

@@ -77,7 +77,7 @@ def cold(tiny_model_dir, work):
 @pytest.fixture(scope="module")
 def pool_p(tiny_model_dir, work, cold):
     """A pool holding P (stored by one engine)."""
-    pool = {"path": str(work / "pool-p"), "capacity": "256MiB"}
+    pool = {"path": str(work / "pool-p"), "capacity": "64MiB"}
     res = ok(engine(tiny_model_dir, work, [P], pool=pool))
     assert toks(res) == [cold["P"]]
     return pool
@@ -126,7 +126,7 @@ def test_two_engines_at_once_on_a_pool_smaller_than_their_working_set(tiny_model
 
 
 def test_an_engine_with_another_capacity_keeps_serving(tiny_model_dir, work, pool_p, cold):
-    res = ok(engine(tiny_model_dir, work, [P, HOT], pool=dict(pool_p, capacity="64MiB")))
+    res = ok(engine(tiny_model_dir, work, [P, HOT], pool=dict(pool_p, capacity="32MiB")))
     assert res["out"][0]["cached"] == FULL
     assert toks(res) == [cold["P"], cold["HOT"]]
 
@@ -193,8 +193,10 @@ def test_a_small_filesystem_refuses_at_startup_and_a_full_one_skips_saves(
     assert err is not None
     for part in ("kv_connector_extra_config.capacity", path, "bytes free", str(64 << 20)):
         assert part in err, err
-    # fits at startup; then another file fills the filesystem
-    res = ok(engine(tiny_model_dir, work, [P, HOT], pool={"path": path, "capacity": "8MiB"},
+    # fits at startup (space not taken up front); then another file fills
+    # the filesystem
+    res = ok(engine(tiny_model_dir, work, [P, HOT],
+                    pool={"path": path, "capacity": "8MiB", "preallocate": False},
                     fill=[str(small_tmpfs / "filler"), 12 << 20]))
     assert toks(res) == [cold["P"], cold["HOT"]]
     assert metric(res, "Saves skipped (pool full)") > 0

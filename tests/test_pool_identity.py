@@ -60,7 +60,7 @@ def cold_fine(tiny_model_dir, work):
 
 def test_finer_prefix_match_unit_hits_only_whole_shared_blocks(tiny_model_dir, work,
                                                                cold_fine):
-    pool = {"path": str(work / "fine"), "capacity": "256MiB"}
+    pool = {"path": str(work / "fine"), "capacity": "64MiB"}
     a = ok(engine(tiny_model_dir, work, [P], pool=pool, llm=FINE))
     assert toks(a) == toks(cold_fine)[:1]
     b = ok(engine(tiny_model_dir, work, [SHORT, WHOLE, P], pool=pool, llm=FINE, cold=True))
@@ -75,7 +75,7 @@ def test_negative_control_blocks_named_by_hashes_i_serve_wrong_tokens(tiny_model
     # i+1 units only.  SHORT shares P's first unit (and more, < a block): it
     # now "hits" P's block 0 - attention pages and the state at 640 of a
     # prompt it shares only 600 tokens with.
-    pool = {"path": str(work / "fine-legacy"), "capacity": "256MiB"}
+    pool = {"path": str(work / "fine-legacy"), "capacity": "64MiB"}
     ok(engine(tiny_model_dir, work, [P], pool=pool, llm=FINE, legacy_block_hash=True))
     b = ok(engine(tiny_model_dir, work, [SHORT], pool=pool, llm=FINE, legacy_block_hash=True))
     assert b["out"][0]["cached"] == BLOCK
@@ -91,7 +91,7 @@ def _no_seed_env(**extra):
 
 def test_xxhash_without_pythonhashseed_is_refused_and_with_it_hits(tiny_model_dir, work,
                                                                   cold_fine):
-    pool = {"path": str(work / "xxhash"), "capacity": "256MiB"}
+    pool = {"path": str(work / "xxhash"), "capacity": "64MiB"}
     xx = {"prefix_caching_hash_algo": "xxhash"}
     refused = engine(tiny_model_dir, work, [P], pool=pool, llm=xx, env=_no_seed_env())
     assert refused["error"] is not None and not refused["out"]
@@ -121,8 +121,8 @@ def test_new_weights_under_the_same_path_never_hit(reweighted, work):
     from vllm_layerwise_patch.testing import build_tiny_qwen3_next
 
     model = reweighted
-    pool = {"path": str(work / "weights"), "capacity": "256MiB"}
-    legacy = {"path": str(work / "weights-legacy"), "capacity": "256MiB"}
+    pool = {"path": str(work / "weights"), "capacity": "64MiB"}
+    legacy = {"path": str(work / "weights-legacy"), "capacity": "64MiB"}
     ok(engine(model, work, [P], pool=pool))
     ok(engine(model, work, [P], pool=legacy, legacy_namespace=True))
     config = (model / "config.json").read_text()
@@ -141,7 +141,7 @@ def test_new_weights_under_the_same_path_never_hit(reweighted, work):
 
 
 def test_another_mamba_ssm_dtype_never_hits(tiny_model_dir, work):
-    pool = {"path": str(work / "dtype"), "capacity": "256MiB"}
+    pool = {"path": str(work / "dtype"), "capacity": "64MiB"}
     ok(engine(tiny_model_dir, work, [P], pool=pool))
     again = ok(engine(tiny_model_dir, work, [P], pool=pool))
     assert again["out"][0]["cached"] == 3 * BLOCK  # same settings: a hit

@@ -92,7 +92,7 @@ def baseline(mtp_model_dir, work):
 @pytest.fixture(scope="module")
 def pool_a(mtp_model_dir, work, baseline):
     """Engine A: serves P with an empty pool (and fills it)."""
-    pool = {"path": str(work / "pool"), "capacity": "256MiB"}
+    pool = {"path": str(work / "pool"), "capacity": "64MiB"}
     res = engine(mtp_model_dir, work, [P], pool=pool)
     assert res["out"][0]["cached"] == 0
     assert toks(res) == toks(baseline)[:1]
@@ -157,7 +157,7 @@ def test_drafter_layer_never_shares_keys_with_target_layer_0(work, tmp_path_fact
     model = build_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-mtp-attn-first"),
                                   mtp=True, full_attention_last=False)
     cold = engine(model, work, [P], patches="0", cold=True)
-    pool = {"path": str(work / "pool-attn-first"), "capacity": "256MiB"}
+    pool = {"path": str(work / "pool-attn-first"), "capacity": "64MiB"}
     engine(model, work, [P], pool=pool)
     res = engine(model, work, [P], pool=pool)
     assert res["out"][0]["cached"] == 2 * BLOCK

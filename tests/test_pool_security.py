@@ -141,7 +141,7 @@ def work(tmp_path_factory):
 def test_engine_creates_a_private_pool_under_umask_0(tiny_model_dir, work):
     path = str(work / "private")
     res = run_engine({"model": str(tiny_model_dir), "prompts": [P], "umask": 0,
-                      "pool": {"path": path, "capacity": "256MiB"}}, cwd=str(work))
+                      "pool": {"path": path, "capacity": "64MiB"}}, cwd=str(work))
     assert res["error"] is None, res["error"]
     assert modes(path) == {".": 0o700, "data.mdb": 0o600, "lock.mdb": 0o600,
                            ".open.lock": 0o600}
@@ -166,7 +166,7 @@ def test_engine_refuses_unsafe_pool_paths_at_startup(tiny_model_dir, work, tmp_p
 @needs_root
 def test_engines_share_a_pool_through_shared_group(tiny_model_dir, work):
     path = str(work / "shared")
-    pool = {"path": path, "capacity": "256MiB", "shared_group": SHARED}
+    pool = {"path": path, "capacity": "64MiB", "shared_group": SHARED}
     a = run_engine({"model": str(tiny_model_dir), "prompts": [P], "pool": pool, "umask": 0o077},
                    cwd=str(work))
     b = run_engine({"model": str(tiny_model_dir), "prompts": [P], "pool": pool}, cwd=str(work))

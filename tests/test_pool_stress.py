@@ -49,7 +49,7 @@ def test_shared_prefix_trace_across_two_engines(tiny_model_dir, tmp_path):
     reqs = trace()
     assert sum("prefix" in r for r in reqs) >= 80
     baseline = serve(tiny_model_dir, tmp_path, reqs, patches="0")["out"]
-    pool = {"path": str(tmp_path / "pool"), "capacity": "512MiB"}
+    pool = {"path": str(tmp_path / "pool"), "capacity": "128MiB"}
     first = serve(tiny_model_dir, tmp_path, reqs[: N // 2], pool=pool)
     second_run = serve(tiny_model_dir, tmp_path, reqs[N // 2:], pool=pool)
     second = second_run["out"]

@@ -53,7 +53,7 @@ def baseline(model, work):
 @pytest.fixture(scope="module")
 def pool(model, work, baseline):
     """A TP=2 engine stores P: each rank its own pages."""
-    pool = {"path": str(work / "pool"), "capacity": "256MiB"}
+    pool = {"path": str(work / "pool"), "capacity": "64MiB"}
     res = engine(model, work, [P], pool=pool)
     assert toks(res) == toks(baseline)
     return pool

@@ -249,9 +249,10 @@ def test_lmdb_capacity_larger_than_the_filesystem_is_a_startup_error(small_tmpfs
 
 
 def test_lmdb_filesystem_filling_up_at_runtime_skips_saves(small_tmpfs):
-    # The pool fits at startup; then something else fills the filesystem.
+    # The pool fits at startup; then something else fills the filesystem
+    # (a pool that did not take its space up front: preallocate=False).
     path = str(small_tmpfs / "pool")
-    be = LmdbBackend(path, 2 << 20)
+    be = LmdbBackend(path, 2 << 20, preallocate=False)
     be.put_many(_block(0, size=100_000))
     with open(small_tmpfs / "other-file", "wb") as f:
         try:
@@ -262,6 +263,21 @@ def test_lmdb_filesystem_filling_up_at_runtime_skips_saves(small_tmpfs):
         for i in range(1, 20):
             be.put_many(_block(i, size=100_000))
     assert _present(be, 0) == [True] * 3  # what was stored is still readable
+    be.close()
+
+
+def test_lmdb_preallocated_pool_keeps_its_space_when_the_filesystem_fills(small_tmpfs):
+    path = str(small_tmpfs / "pool")
+    be = LmdbBackend(path, 2 << 20)  # preallocate=True: the default
+    assert os.stat(os.path.join(path, "data.mdb")).st_blocks * 512 >= 2 << 20
+    with open(small_tmpfs / "other-file", "wb") as f:
+        try:
+            f.write(bytes(12 << 20))
+        except OSError:
+            pass  # filled the filesystem
+    for i in range(12):  # ~5 MB through the 2 MiB pool: evicts, never fails
+        be.put_many(_block(i, size=100_000))
+    assert _present(be, 11) == [True] * 3
     be.close()
 
 
@@ -311,12 +327,12 @@ class CountingBackend:
         self.release = threading.Event()
         self.lock = threading.Lock()
 
-    def read_many(self, keys, consume):
+    def read_many(self, keys, consume, sizes=None):
         from vllm_layerwise_patch.pool.backends.base import Backend
 
-        Backend.read_many(self, keys, consume)  # the generic path, via get_many
+        Backend.read_many(self, keys, consume, sizes)  # the generic path, via get_many
 
-    def get_many(self, keys):
+    def get_many(self, keys, sizes=None):
         layer = self.key_layer[keys[0]]
         with self.lock:
             self.in_flight.add(layer)

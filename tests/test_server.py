@@ -42,7 +42,7 @@ def test_vllm_serve_restarted_on_the_pool_hits_with_identical_completions(tiny_m
     with serve(tiny_model_dir, tmp_path, "baseline", patches="0") as s:
         baseline = [text(s.complete(P)), text(s.complete(PA))]
     assert len(set(baseline)) == 2 and all(len(t) == 5 for t in baseline)
-    pool = {"path": str(tmp_path / "pool"), "capacity": "256MiB"}
+    pool = {"path": str(tmp_path / "pool"), "capacity": "64MiB"}
     with serve(tiny_model_dir, tmp_path, "first", pool=pool) as s:
         assert text(s.complete(P)) == baseline[0]
         assert s.counter(SOURCE, source="external_kv_transfer") == 0

@@ -169,6 +169,11 @@ class PoolConfig(BaseModel):
         default=None, min_length=1,
         description="lmdb: a group whose members share the pool (directory 2770, files 0660 "
                     "of that group); unset: private to this user (0700/0600)")
+    preallocate: bool = Field(
+        default=True,
+        description="lmdb: give the pool file its whole capacity at startup (the memory "
+                    "of a tmpfs pool is taken then; saves about twice as fast, and a "
+                    "filesystem filling up later cannot take it)")
     prefetch_layers: int = Field(default=2, ge=1, le=64,
                                  description="layers loaded ahead of compute")
     load_threads: int = Field(default=2, ge=1, le=32, description="load threads per worker")

@@ -49,7 +49,7 @@ def _open_store(config: PoolConfig, role: str | None):
     from .backends.lmdb import open_shared
 
     return open_shared(config.path, config.capacity, pin_seconds=config.pin_seconds,
-                       shared_group=config.shared_group)
+                       shared_group=config.shared_group, preallocate=config.preallocate)
 
 
 def open_backend(config: PoolConfig, fault_role: str | None = None):

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-FORMAT = 2
+FORMAT = 3
 ATTN, STATE = "attn", "state"
 KINDS = (ATTN, STATE)
 COMMIT = "commit"

@@ -346,7 +346,7 @@ class MooncakeBackend(Backend):
                     if n > staging.region_size:
                         raise PoolFull(f"a {n}-byte value does not fit a staging region of "
                                        f"{staging.region_size} bytes")
-                    ctypes.memmove(region + used, items[j][1], n)
+                    staging.view(region + used, n)[:] = items[j][1]
                     ptrs.append(region + used)
                     used += n
                     j += 1
