@@ -53,7 +53,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ..layer_hooks import call_with_hooks
-from ..registry import _MARKER, RELEASES, Installer, Kind, Patch, Target, Verified, verified_on
+from ..registry import (
+    RELEASES,
+    Installer,
+    Kind,
+    Patch,
+    Target,
+    Verified,
+    mark,
+    verified_on,
+)
 
 EAGER_BREAK = "eager_break_during_capture"
 
@@ -77,7 +86,7 @@ def hook_inner(inner: Callable[..., Any], patch_id: str) -> Callable[..., Any]:
         return call_with_hooks(self.prefix, getattr(self, "kv_cache", None),
                                lambda: inner(self, *args, **kwargs))
 
-    setattr(hooked, _MARKER, patch_id)
+    mark(hooked, patch_id)
     return hooked
 
 
