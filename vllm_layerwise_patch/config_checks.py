@@ -22,23 +22,29 @@ class Check:
         return dataclasses.asdict(self)
 
 
-def _truthy(v: str | None) -> bool | None:
-    if v is None or v.strip() == "":
-        return None
-    return v.strip().lower() in ("1", "true", "yes", "on")
+def _v2_requested() -> tuple[bool | None, str]:
+    """Whether vLLM reads ``VLLM_USE_V2_MODEL_RUNNER`` as on, and why not.
+    The variable is vLLM's, so vLLM's own parser decides (it takes integers
+    only: a spelling ours would accept, e.g. ``true``, stops vLLM)."""
+    name = "VLLM_USE_V2_MODEL_RUNNER"
+    raw = os.environ.get(name)
+    try:
+        import vllm.envs as vllm_envs
+
+        v2 = getattr(vllm_envs, name)
+    except ImportError as exc:
+        return None, f"vLLM is not importable ({exc}): cannot tell"
+    except Exception as exc:
+        return False, f"vLLM cannot read {name}={raw!r} ({type(exc).__name__}: {exc}): use 1"
+    if v2:
+        return True, f"{name}={raw}"
+    return False, f"{name} is not 1: the overlay targets Model Runner V2"
 
 
 def env_checks() -> list[Check]:
     """What can be told from the environment alone (no engine config)."""
-    v2 = _truthy(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
-    out = [
-        Check(
-            "model-runner-v2",
-            bool(v2),
-            "VLLM_USE_V2_MODEL_RUNNER=1" if v2 else
-            "VLLM_USE_V2_MODEL_RUNNER is not 1: the overlay targets Model Runner V2",
-        )
-    ]
+    v2, detail = _v2_requested()
+    out = [Check("model-runner-v2", v2, detail)]
     try:
         from vllm.triton_utils import HAS_TRITON
     except Exception:

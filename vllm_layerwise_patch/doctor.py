@@ -25,8 +25,9 @@ from importlib import metadata, resources
 from typing import Any
 
 from . import __version__
-from .activation import ENV, activate, env_enabled, registry
-from .registry import FORCE_ENV, State, parse_force
+from .activation import activate, env_enabled, registry
+from .envvars import ENV, FORCE_ENV, is_off
+from .registry import State
 
 SCHEMA_VERSION = 1
 WIDTH = 80
@@ -88,8 +89,7 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
         warnings.append("vllm.general_plugins entry point not found: reinstall the package")
     if not activation["interpreter_hook_installed"]:
         warnings.append("interpreter-start hook (vllm_layerwise_patch.pth) not installed")
-    forced = parse_force(os.environ.get(FORCE_ENV))
-    if forced is None or forced:
+    if not is_off(os.environ.get(FORCE_ENV)):
         warnings.append(
             f"{FORCE_ENV} is set: patches may run on vLLM sources nobody verified"
         )

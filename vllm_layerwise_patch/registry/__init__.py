@@ -30,7 +30,8 @@ from .fingerprints import (
     verified_on,
 )
 from .installation import Installer, mark, patch_marker
-from .patch_registry import FORCE_ENV, PatchStatus, Registry, State, parse_force
+from ..envvars import FORCE_ENV
+from .patch_registry import PatchStatus, Registry, State
 from .resolution import (
     VLLM_DISTRIBUTIONS,
     Decision,
@@ -52,7 +53,7 @@ __all__ = [
     "State", "Target", "Verdict", "Verified",
     "describe_drift", "detect_environment", "evaluate", "evaluate_row", "fingerprint",
     "live_fingerprints", "live_object", "mark", "matching_release", "nearest_release",
-    "parse_doc_fields", "parse_force", "patch_marker", "release_environment",
+    "parse_doc_fields", "patch_marker", "release_environment",
     "release_fingerprints", "release_table", "resolve_declared", "resolve_source",
     "verified_on",
 ]

@@ -21,15 +21,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..envvars import FORCE_ENV, parse_selection
 from .declaration import Environment, Patch
 from .fingerprints import live_fingerprints
 from .installation import Installer, installed_by, own_attribute, patch_marker
 from .resolution import Decision, Verdict, detect_environment, resolve_declared, resolve_source
 
 logger = logging.getLogger("vllm.layerwise_patch")
-
-FORCE_ENV = "VLLM_LAYERWISE_PATCH_FORCE"
-
 
 class State(str, enum.Enum):
     DISABLED = "disabled"  # not selected by VLLM_LAYERWISE_PATCH
@@ -59,16 +57,6 @@ class PatchStatus:
         d = dataclasses.asdict(self)
         d["state"] = self.state.value
         return d
-
-
-def parse_force(value: str | None) -> set[str] | None:
-    """``VLLM_LAYERWISE_PATCH_FORCE``: ``all`` (None result means "all") or ids."""
-    if value is None or value.strip() in ("", "0"):
-        return set()
-    items = {x.strip() for x in value.split(",") if x.strip()}
-    if items & {"1", "all"}:
-        return None
-    return items
 
 
 def _outcome(patch: Patch, env: Environment, decision: Decision) -> tuple[State, str]:
@@ -140,9 +128,9 @@ class Registry:
 
     def _apply_locked(self, patch: Patch, st: PatchStatus, force: bool | None) -> None:
         st.reason, st.forced, st.verified_release = "", False, None
-        if force is None:
-            forced_ids = parse_force(os.environ.get(FORCE_ENV))
-            force = forced_ids is None or patch.id in forced_ids
+        if force is None:  # VLLM_LAYERWISE_PATCH_FORCE; an unknown id fails the patch
+            force = patch.id in parse_selection(os.environ.get(FORCE_ENV), list(self.patches),
+                                                list(self.patches), FORCE_ENV)
         env = self.environment()
         decision = resolve_declared(patch, env, explicit=patch.id in self.explicit)
         if decision is None:
