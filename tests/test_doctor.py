@@ -160,3 +160,18 @@ def test_model_runner_check_reads_the_variable_as_vllm_does(monkeypatch, value, 
     got, detail = _v2_requested()
     assert got is ok, detail
     assert ("vLLM cannot read" in detail) is (value == "true"), detail
+
+
+def test_engine_args_the_parser_refuses_are_reported_in_its_own_words():
+    # argparse exits (SystemExit: 2) on an unknown argument; doctor shows why
+    env = clean_env(VLLM_LAYERWISE_PATCH="1")
+    proc = doctor(["--json", "--engine-args", "--model /no/such/model --no-such-flag 3"], env)
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, load_schema())
+    check = {c["name"]: c for c in report["config_checks"]}["engine-args"]
+    assert check["ok"] is False and proc.returncode == 1
+    assert check["detail"] == ("could not build the engine config: unrecognized arguments: "
+                               "--no-such-flag 3"), check["detail"]
+    human = " ".join(doctor(["--engine-args", "--model /m --no-such-flag"], env).stdout.split())
+    assert "unrecognized arguments: --no-such-flag" in human and "SystemExit" not in human
+

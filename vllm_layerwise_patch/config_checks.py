@@ -143,13 +143,33 @@ def pool_checks(vllm_config: Any) -> list[Check]:
     return out
 
 
-def engine_args_checks(argv: list[str]) -> list[Check]:
-    """Build the engine config from ``vllm serve``-style arguments and check it."""
+class EngineArgsError(ValueError):
+    """vLLM's argument parser refused the arguments; the message is its own."""
+
+
+def _parser():
+    """vLLM's ``vllm serve`` engine-argument parser, raising
+    :class:`EngineArgsError` with the parser's message where argparse would
+    print usage and exit."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="doctor"))
-    ns = parser.parse_args(argv)
+    class Parser(FlexibleArgumentParser):
+        def print_usage(self, file: Any = None) -> None:
+            pass  # the message says what is wrong; doctor prints it
+
+        def exit(self, status: int = 0, message: str | None = None):
+            text = (message or "").strip().removeprefix(f"{self.prog}: error: ")
+            raise EngineArgsError(text or f"the parser exited with status {status}")
+
+    return EngineArgs.add_cli_args(Parser(prog="doctor"))
+
+
+def engine_args_checks(argv: list[str]) -> list[Check]:
+    """Build the engine config from ``vllm serve``-style arguments and check it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    ns = _parser().parse_args(argv)
     args = EngineArgs.from_cli_args(ns)
     vc = args.create_engine_config()
     layerwise = vc.kv_transfer_config is not None

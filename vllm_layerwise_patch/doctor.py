@@ -134,16 +134,16 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
         "platform": env.platform,
         "vllm_import_error": vllm_import_error,
     }
-    from .config_checks import engine_args_checks, env_checks
+    from .config_checks import EngineArgsError, engine_args_checks, env_checks
 
     checks = [c.to_json() for c in env_checks()]
     if engine_args is not None:
         try:
             checks = [c.to_json() for c in engine_args_checks(engine_args)]
-        except BaseException as exc:  # argparse exits with SystemExit
+        except (Exception, SystemExit) as exc:
+            why = str(exc) if isinstance(exc, EngineArgsError) else f"{type(exc).__name__}: {exc}"
             checks.append({"name": "engine-args", "ok": False,
-                           "detail": f"could not build the engine config: "
-                                     f"{type(exc).__name__}: {exc}"})
+                           "detail": f"could not build the engine config: {why}"})
 
     ok_states = (State.APPLIED.value, State.NOT_NEEDED.value, State.OPT_IN.value)
     enabled_rows = [p for p in patches if p["enabled"]]
