@@ -175,3 +175,22 @@ def test_engine_args_the_parser_refuses_are_reported_in_its_own_words():
     human = " ".join(doctor(["--engine-args", "--model /m --no-such-flag"], env).stdout.split())
     assert "unrecognized arguments: --no-such-flag" in human and "SystemExit" not in human
 
+
+@pytest.mark.parametrize("argv", [["--help"], ["help"], []])
+def test_help_lists_every_command(argv):
+    proc = run_py("import sys, runpy; sys.argv = ['x', *%r]; "
+                  "runpy.run_module('vllm_layerwise_patch', run_name='__main__')" % (argv,),
+                  check=False)
+    assert proc.returncode == (2 if not argv else 0), proc.stderr[-2000:]
+    for command in ("doctor", "list", "demo", "mooncake-local", "sitecustomize-dir"):
+        assert f"\n    {command}" in proc.stdout, (command, proc.stdout)
+
+
+def test_subcommands_pass_their_arguments_on():
+    # demo and mooncake-local parse their own options (their --help is theirs)
+    for command in ("demo", "mooncake-local"):
+        proc = run_py("import sys, runpy; sys.argv = ['x', %r, '--help']; "
+                      "runpy.run_module('vllm_layerwise_patch', run_name='__main__')" % command)
+        assert f"vllm_layerwise_patch {command} [-h]" in proc.stdout, proc.stdout
+    proc = run_py(DOCTOR.format(args=["--no-such-option"]), check=False)
+    assert proc.returncode == 2 and "unrecognized arguments: --no-such-option" in proc.stderr

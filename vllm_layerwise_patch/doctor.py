@@ -15,10 +15,13 @@ exit status is 1.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
 import json
 import os
 import platform as _platform
+import shlex
 import sys
 import textwrap
 from importlib import metadata, resources
@@ -234,10 +237,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def main(argv: list[str]) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m vllm_layerwise_patch doctor")
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print the JSON report")
     ap.add_argument("--schema", action="store_true", help="print the JSON schema")
     ap.add_argument(
@@ -245,13 +245,13 @@ def main(argv: list[str]) -> int:
         help="vllm serve arguments (one quoted string) to build and check the "
              "engine configuration, e.g. \"--model /m --enable-prefix-caching\"",
     )
-    ns = ap.parse_args(argv)
+    return ap
+
+
+def run(ns: argparse.Namespace) -> int:
     if ns.schema:
         print(json.dumps(load_schema(), indent=2))
         return 0
-    import contextlib
-    import shlex
-
     # Whatever vLLM prints while being imported goes to stderr, not the report.
     with contextlib.redirect_stdout(sys.stderr):
         report = collect(shlex.split(ns.engine_args) if ns.engine_args is not None else None)
@@ -260,3 +260,8 @@ def main(argv: list[str]) -> int:
     else:
         print(render(report))
     return 0 if report["ok"] else 1
+
+
+def main(argv: list[str]) -> int:
+    ap = add_arguments(argparse.ArgumentParser(prog="python -m vllm_layerwise_patch doctor"))
+    return run(ap.parse_args(argv))

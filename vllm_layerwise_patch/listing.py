@@ -4,9 +4,9 @@ rendered from the patch modules' docstrings (also README's patch table).
 
 from __future__ import annotations
 
+import argparse
 import textwrap
 
-from .patches import all_patches
 from .registry import DOC_FIELDS
 
 
@@ -17,6 +17,8 @@ def _wrap(text: str, indent: str, subsequent: str) -> list[str]:
 
 
 def render_text() -> str:
+    from .patches import all_patches
+
     out = []
     for p in all_patches():
         fields = p.doc_fields()
@@ -33,6 +35,8 @@ def render_text() -> str:
 
 
 def render_markdown() -> str:
+    from .patches import all_patches
+
     rows = ["| patch | target | upstream | why | removal condition | verified releases |",
             "|---|---|---|---|---|---|"]
     for p in all_patches():
@@ -44,6 +48,16 @@ def render_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    print(render_markdown() if "--markdown" in argv else render_text(), end="")
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    ap.add_argument("--markdown", action="store_true", help="README's table")
+    return ap
+
+
+def run(ns: argparse.Namespace) -> int:
+    print(render_markdown() if ns.markdown else render_text(), end="")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    ap = add_arguments(argparse.ArgumentParser(prog="python -m vllm_layerwise_patch list"))
+    return run(ap.parse_args(argv))
