@@ -18,6 +18,7 @@ objects back.  One module per concern, each readable on its own:
 The names below are this package's interface; import them from here.
 """
 
+from ..envvars import FORCE_ENV
 from .declaration import DOC_FIELDS, Environment, Kind, Patch, Target, Verified, parse_doc_fields
 from .fingerprints import (
     RELEASES,
@@ -30,7 +31,6 @@ from .fingerprints import (
     verified_on,
 )
 from .installation import Installer, mark, patch_marker
-from ..envvars import FORCE_ENV
 from .patch_registry import PatchStatus, Registry, State
 from .resolution import (
     VLLM_DISTRIBUTIONS,

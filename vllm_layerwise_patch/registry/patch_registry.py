@@ -29,6 +29,7 @@ from .resolution import Decision, Verdict, detect_environment, resolve_declared,
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
+
 class State(str, enum.Enum):
     DISABLED = "disabled"  # not selected by VLLM_LAYERWISE_PATCH
     PENDING = "pending"  # selected; target module not imported yet
