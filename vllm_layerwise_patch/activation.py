@@ -2,13 +2,18 @@
 point and the post-import hooks that apply each patch when its target module
 is imported (in the API server, the engine core and every worker alike).
 
-``VLLM_LAYERWISE_PATCH``:
+``VLLM_LAYERWISE_PATCH`` (parsed by :mod:`.envvars`, like every variable of
+the overlay):
 
-* unset, empty or ``0``: off (nothing is registered, no vLLM import);
-* ``1`` or ``all``: every default-enabled patch;
+* unset, empty, ``0``, ``false``, ``no`` or ``off``: off (nothing is
+  registered, no vLLM import);
+* ``1``, ``all``, ``true``, ``yes`` or ``on``: every default-enabled patch;
 * a comma list of ids selects those (``hybrid-block-size,gdn-layer-hooks``);
 * ``-id`` removes one (``all,-bytewise-precopy-kernel`` or just
   ``-bytewise-precopy-kernel``, which means "all but").
+
+``VLLM_LAYERWISE_PATCH_FORCE`` takes the same grammar (``all``: every patch).
+An unknown id or value is an error naming the variable.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import tempfile
 import threading
 from typing import Any
 
+from .envvars import ENV, FORCE_ENV, REPORT_DIR_ENV, explicit_ids, is_off, parse_selection
 from .registry import PatchStatus, Registry
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
-ENV = "VLLM_LAYERWISE_PATCH"
-REPORT_DIR_ENV = "VLLM_LAYERWISE_PATCH_REPORT_DIR"
-OFF_VALUES = ("", "0", "off", "false", "no")
+__all__ = ["ENV", "FORCE_ENV", "REPORT_DIR_ENV", "activate", "apply_imported", "deactivate",
+           "env_enabled", "explicit_ids", "parse_selection", "plugin", "registry", "status"]
 
 _registry: Registry | None = None
 _active = False
@@ -37,46 +42,7 @@ _lock = threading.RLock()
 
 def env_enabled(value: str | None = None) -> bool:
     """True when the overlay variable asks for any patch.  Imports nothing."""
-    if value is None:
-        value = os.environ.get(ENV)
-    return value is not None and value.strip().lower() not in OFF_VALUES
-
-
-def parse_selection(value: str | None, known: list[str], defaults: list[str]) -> set[str]:
-    """The set of patch ids ``value`` (the variable's text) selects.
-
-    Raises ``ValueError`` naming the variable and the offending item."""
-    if not env_enabled(value):
-        return set()
-    assert value is not None
-    items = [x.strip() for x in value.split(",") if x.strip()]
-    include: set[str] = set()
-    exclude: set[str] = set()
-    everything = False
-    for item in items:
-        low = item.lower()
-        if low in ("1", "all", "on", "true", "yes"):
-            everything = True
-            continue
-        name, bucket = (item[1:].strip(), exclude) if item.startswith("-") else (item, include)
-        if name not in known:
-            raise ValueError(
-                f"{ENV}={value!r}: unknown patch id {name!r}; known ids: {', '.join(known)}"
-            )
-        bucket.add(name)
-    if everything or (exclude and not include):
-        include |= set(defaults)
-    return include - exclude
-
-
-def explicit_ids(value: str | None) -> set[str]:
-    """The ids named (not excluded) in the variable's text."""
-    if not env_enabled(value):
-        return set()
-    assert value is not None
-    return {x.strip() for x in value.split(",")
-            if x.strip() and not x.strip().startswith("-")
-            and x.strip().lower() not in ("1", "all", "on", "true", "yes")}
+    return not is_off(os.environ.get(ENV) if value is None else value)
 
 
 def registry() -> Registry:
@@ -103,11 +69,10 @@ def activate(selection: str | None = None) -> Registry:
     global _active
     reg = registry()
     value = os.environ.get(ENV) if selection is None else selection
-    ids = parse_selection(
-        value,
-        list(reg.patches),
-        [p.id for p in reg.patches.values() if p.default_enabled],
-    )
+    known = list(reg.patches)
+    ids = parse_selection(value, known, [p.id for p in reg.patches.values() if p.default_enabled])
+    if ids:  # an unknown FORCE id fails here, like an unknown selected one
+        parse_selection(os.environ.get(FORCE_ENV), known, known, FORCE_ENV)
     with _lock:
         reg.enable(ids, explicit_ids(value) & ids)
         _active = bool(ids)

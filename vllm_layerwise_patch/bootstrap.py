@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-CPU_V2_ENV = "VLLM_LAYERWISE_PATCH_CPU_V2"
+from .envvars import CPU_V2_ENV, ENV, flag, is_off
 
 # site may process the same site-packages twice (a venv's lib64 -> lib link):
 # boot once per process.
@@ -24,13 +24,13 @@ def boot() -> None:
         return
     _booted = True
     try:
-        if os.environ.get(CPU_V2_ENV, "0").strip() not in ("", "0"):
+        if flag(CPU_V2_ENV):
             from .testing.cpu_v2 import install_cpu_v2_shim
 
             install_cpu_v2_shim()
-        from .activation import activate, env_enabled
+        if not is_off(os.environ.get(ENV)):
+            from .activation import activate
 
-        if env_enabled():
             activate()
     except Exception as exc:  # never break interpreter start
         print(

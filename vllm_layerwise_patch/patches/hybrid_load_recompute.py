@@ -152,7 +152,6 @@ def _self_check() -> str:
 
 PATCH = Patch(
     id="hybrid-load-recompute",
-    summary="block load errors on hybrid layouts recompute (or fail) the request, by policy",
     targets=(HANDLE_INVALID, UPDATE_FROM_OUTPUT),
     kind=Kind.WRAP,
     verified=verified_on((HANDLE_INVALID, UPDATE_FROM_OUTPUT),
@@ -162,7 +161,6 @@ PATCH = Patch(
                     "refusal and scans another waiting queue; not reviewed"},
     install=_install,
     self_check=_self_check,
-    removal="upstream maps block load errors to requests for several KV cache groups",
     doc=__doc__,
     correctness_critical=True,
 )

