@@ -20,9 +20,7 @@ are started and stopped by the benchmark (``mooncake-local``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -32,6 +30,8 @@ import torch
 
 from vllm_layerwise_patch.pool.backends.base import pack
 from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
+
+import _results
 
 NS = b"B" * 16
 LAYERS = 8
@@ -134,15 +134,8 @@ def main() -> None:
         if cluster is not None:
             cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    doc = {"benchmark": "pool backends: loads (LayerwisePipeline) and saves (put_many) vs "
-                        "memcpy, same run",
-           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                       "torch": torch.__version__},
-           "results": results}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"saved {args.out}")
+    _results.write(args.out, "pool backends: loads (LayerwisePipeline) and saves "
+                   "(put_many) vs memcpy, same run", results)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from vllm_layerwise_patch.testing.engines import (engine_env, kv_metrics, run_engine,
-                                                  start_engine, toks)
+                                                  served, start_engine, toks)
 
 pytestmark = pytest.mark.vllm
 
@@ -51,12 +51,6 @@ def engine(model, cwd, prompts, pool=None, patches="1", timeout=600, **kw):
                       timeout=timeout)
 
 
-def ok(res):
-    assert res["error"] is None, res["error"] + "\n" + res["log"][-3000:]
-    assert all(o["tokens"] and not o.get("error") for o in res["out"]), res["out"]
-    return res
-
-
 def metric(res, name):
     return sum(float(m.get(name, 0)) for m in kv_metrics(res["log"]))
 
@@ -69,7 +63,7 @@ def work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cold(tiny_model_dir, work):
     """No pool; every prompt from scratch: P, HOT, COLD[0..3]."""
-    res = ok(engine(tiny_model_dir, work, [P, HOT] + COLD, patches="0", cold=True))
+    res = served(engine(tiny_model_dir, work, [P, HOT] + COLD, patches="0", cold=True))
     out = dict(zip(["P", "HOT"] + [f"C{i}" for i in range(4)], toks(res)))
     return out
 
@@ -78,7 +72,7 @@ def cold(tiny_model_dir, work):
 def pool_p(tiny_model_dir, work, cold):
     """A pool holding P (stored by one engine)."""
     pool = {"path": str(work / "pool-p"), "capacity": "64MiB"}
-    res = ok(engine(tiny_model_dir, work, [P], pool=pool))
+    res = served(engine(tiny_model_dir, work, [P], pool=pool))
     assert toks(res) == [cold["P"]]
     return pool
 
@@ -93,13 +87,13 @@ def test_hot_prefix_survives_eviction_and_evicted_blocks_are_saved_again(tiny_mo
     # the cold prompts, written after it, go first.
     pool = {"path": str(work / "pool-lru"), "capacity": "5MiB"}
     trace = [HOT, COLD[0], HOT, COLD[1], HOT, COLD[2], HOT, COLD[3]]
-    res = ok(engine(tiny_model_dir, work, trace, pool=pool, cold=True))
+    res = served(engine(tiny_model_dir, work, trace, pool=pool, cold=True))
     assert toks(res) == [cold[k] for k in ("HOT", "C0", "HOT", "C1", "HOT", "C2", "HOT", "C3")]
     assert [o["cached"] for o in res["out"][2::2]] == [FULL] * 3  # HOT from the pool
     assert metric(res, "Blocks evicted") > 0
     # a fresh engine: HOT is still whole, C0 was evicted; computing C0 again
     # stores it again (its marker went with its pages)
-    again = ok(engine(tiny_model_dir, work, [HOT, COLD[0], COLD[0]], pool=pool, cold=True))
+    again = served(engine(tiny_model_dir, work, [HOT, COLD[0], COLD[0]], pool=pool, cold=True))
     cached = [o["cached"] for o in again["out"]]
     assert cached[0] == FULL and cached[1] < FULL and cached[2] == FULL, cached
     assert toks(again) == [cold["HOT"], cold["C0"], cold["C0"]]
@@ -113,12 +107,12 @@ def test_two_engines_at_once_on_a_pool_smaller_than_their_working_set(tiny_model
     halves = [shared([0, 1, 2, 3], 0), shared([2, 3, 4, 5], 1000)]
     base = [start_engine(spec(tiny_model_dir, h, batch=True, max_tokens=3),
                          env=engine_env("0"), cwd=str(work)) for h in halves]
-    base = [ok(b.result()) for b in base]
+    base = [served(b.result()) for b in base]
     path = str(work / "pool-concurrent")
     runs = [start_engine(spec(tiny_model_dir, h, {"path": path, "capacity": cap},
                               batch=True, max_tokens=3), env=engine_env(), cwd=str(work))
             for h, cap in zip(halves, ("4MiB", "5MiB"))]
-    runs = [ok(r.result()) for r in runs]
+    runs = [served(r.result()) for r in runs]
     for r, b in zip(runs, base):
         assert [o["tokens"] for o in r["out"]] == [o["tokens"] for o in b["out"]]
     assert sum(metric(r, "Blocks evicted") for r in runs) > 0
@@ -126,7 +120,7 @@ def test_two_engines_at_once_on_a_pool_smaller_than_their_working_set(tiny_model
 
 
 def test_an_engine_with_another_capacity_keeps_serving(tiny_model_dir, work, pool_p, cold):
-    res = ok(engine(tiny_model_dir, work, [P, HOT], pool=dict(pool_p, capacity="32MiB")))
+    res = served(engine(tiny_model_dir, work, [P, HOT], pool=dict(pool_p, capacity="32MiB")))
     assert res["out"][0]["cached"] == FULL
     assert toks(res) == [cold["P"], cold["HOT"]]
 
@@ -163,12 +157,12 @@ def test_a_reader_killed_inside_a_transaction_does_not_stop_eviction(tiny_model_
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     go.touch()
-    res = ok(run.result())
+    res = served(run.result())
     assert toks(res) == [cold[f"C{i}"] for i in range(4)]
     assert metric(res, "Blocks evicted") > 0
     assert metric(res, "Saves skipped (pool full)") == 0
     # what it saved after the evictions is there: a fresh engine hits C3
-    again = ok(engine(tiny_model_dir, work, [COLD[3]], pool=pool))
+    again = served(engine(tiny_model_dir, work, [COLD[3]], pool=pool))
     assert again["out"][0]["cached"] == FULL
 
 
@@ -195,7 +189,7 @@ def test_a_small_filesystem_refuses_at_startup_and_a_full_one_skips_saves(
         assert part in err, err
     # fits at startup (space not taken up front); then another file fills
     # the filesystem
-    res = ok(engine(tiny_model_dir, work, [P, HOT],
+    res = served(engine(tiny_model_dir, work, [P, HOT],
                     pool={"path": path, "capacity": "8MiB", "preallocate": False},
                     fill=[str(small_tmpfs / "filler"), 12 << 20]))
     assert toks(res) == [cold["P"], cold["HOT"]]
@@ -206,7 +200,7 @@ def test_a_small_filesystem_refuses_at_startup_and_a_full_one_skips_saves(
 # -- backend faults ---------------------------------------------------------------
 
 def test_backend_error_in_a_lookup_is_a_miss(tiny_model_dir, work, pool_p, cold):
-    res = ok(engine(tiny_model_dir, work, [P, HOT],
+    res = served(engine(tiny_model_dir, work, [P, HOT],
                     pool=dict(pool_p, debug_backend_fault="lookup")))
     assert [o["cached"] for o in res["out"]] == [0, 0]
     assert toks(res) == [cold["P"], cold["HOT"]]
@@ -218,7 +212,7 @@ def test_backend_error_in_a_load_recomputes(tiny_model_dir, work, pool_p, cold):
     # The failing backend cannot drop the entries either: without the rule
     # "a request whose load failed recomputes without the pool" P would hit
     # and fail again forever.
-    res = ok(engine(tiny_model_dir, work, [P, COLD[1]], policy="recompute", timeout=240,
+    res = served(engine(tiny_model_dir, work, [P, COLD[1]], policy="recompute", timeout=240,
                     pool=dict(pool_p, debug_backend_fault="load")))
     assert toks(res) == [cold["P"], cold["C1"]]
     assert metric(res, "Requests with failed loads") == 1
@@ -228,11 +222,11 @@ def test_backend_error_in_a_load_recomputes(tiny_model_dir, work, pool_p, cold):
 def test_backend_error_in_a_save_is_a_skipped_save(tiny_model_dir, work, cold):
     pool = {"path": str(work / "pool-save-fault"), "capacity": "64MiB",
             "debug_backend_fault": "save"}
-    res = ok(engine(tiny_model_dir, work, [P, HOT], pool=pool))
+    res = served(engine(tiny_model_dir, work, [P, HOT], pool=pool))
     assert toks(res) == [cold["P"], cold["HOT"]]
     assert metric(res, "Failed saves") > 0
     assert res["log"].count("a save failed") == 1
-    after = ok(engine(tiny_model_dir, work, [P], pool=dict(pool, debug_backend_fault="")))
+    after = served(engine(tiny_model_dir, work, [P], pool=dict(pool, debug_backend_fault="")))
     assert after["out"][0]["cached"] == 0  # nothing was stored
 
 
@@ -242,7 +236,7 @@ SLOW = 300  # ms per layer's load: still in flight when the forward reaches it
 
 
 def test_slow_loads_are_waited_for_before_the_state_copy(tiny_model_dir, work, pool_p, cold):
-    res = ok(engine(tiny_model_dir, work, [P], pool=dict(pool_p, debug_load_delay_ms=SLOW)))
+    res = served(engine(tiny_model_dir, work, [P], pool=dict(pool_p, debug_load_delay_ms=SLOW)))
     assert res["out"][0]["cached"] == FULL
     assert toks(res) == [cold["P"]]
     # the forward really waited on loads in flight
@@ -251,7 +245,7 @@ def test_slow_loads_are_waited_for_before_the_state_copy(tiny_model_dir, work, p
 
 def test_negative_control_state_copy_before_the_load_completes_changes_tokens(
         tiny_model_dir, work, pool_p, cold):
-    res = ok(engine(tiny_model_dir, work, [P], pool=dict(
+    res = served(engine(tiny_model_dir, work, [P], pool=dict(
         pool_p, debug_load_delay_ms=SLOW, debug_copy_before_wait=True)))
     assert res["out"][0]["cached"] == FULL
     assert toks(res)[0][0] != cold["P"][0]

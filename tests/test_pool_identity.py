@@ -24,7 +24,7 @@ import shutil
 
 import pytest
 
-from vllm_layerwise_patch.testing.engines import engine_env, run_engine, toks
+from vllm_layerwise_patch.testing.engines import engine_env, run_engine, served, toks
 
 pytestmark = pytest.mark.vllm
 
@@ -40,12 +40,6 @@ def engine(model, cwd, prompts, pool=None, patches="1", env=None, **spec):
     return run_engine(spec, env=env or engine_env(patches), cwd=str(cwd))
 
 
-def ok(res):
-    assert res["error"] is None, res["error"] + "\n" + res["log"][-3000:]
-    assert all(o["tokens"] for o in res["out"]), res["out"]
-    return res
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("identity")
@@ -54,16 +48,16 @@ def work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cold_fine(tiny_model_dir, work):
     """No pool, prefix_match_unit=160, every prompt from scratch."""
-    return ok(engine(tiny_model_dir, work, [P, SHORT, WHOLE], patches="0", cold=True,
+    return served(engine(tiny_model_dir, work, [P, SHORT, WHOLE], patches="0", cold=True,
                      llm=FINE))
 
 
 def test_finer_prefix_match_unit_hits_only_whole_shared_blocks(tiny_model_dir, work,
                                                                cold_fine):
     pool = {"path": str(work / "fine"), "capacity": "64MiB"}
-    a = ok(engine(tiny_model_dir, work, [P], pool=pool, llm=FINE))
+    a = served(engine(tiny_model_dir, work, [P], pool=pool, llm=FINE))
     assert toks(a) == toks(cold_fine)[:1]
-    b = ok(engine(tiny_model_dir, work, [SHORT, WHOLE, P], pool=pool, llm=FINE, cold=True))
+    b = served(engine(tiny_model_dir, work, [SHORT, WHOLE, P], pool=pool, llm=FINE, cold=True))
     assert [o["cached"] for o in b["out"]] == [0, 2 * BLOCK, 3 * BLOCK]
     assert toks(b) == [toks(cold_fine)[1], toks(cold_fine)[2], toks(cold_fine)[0]]
     assert "prefix hashes every 160" in b["log"]
@@ -76,8 +70,8 @@ def test_negative_control_blocks_named_by_hashes_i_serve_wrong_tokens(tiny_model
     # now "hits" P's block 0 - attention pages and the state at 640 of a
     # prompt it shares only 600 tokens with.
     pool = {"path": str(work / "fine-legacy"), "capacity": "64MiB"}
-    ok(engine(tiny_model_dir, work, [P], pool=pool, llm=FINE, legacy_block_hash=True))
-    b = ok(engine(tiny_model_dir, work, [SHORT], pool=pool, llm=FINE, legacy_block_hash=True))
+    served(engine(tiny_model_dir, work, [P], pool=pool, llm=FINE, legacy_block_hash=True))
+    b = served(engine(tiny_model_dir, work, [SHORT], pool=pool, llm=FINE, legacy_block_hash=True))
     assert b["out"][0]["cached"] == BLOCK
     assert toks(b)[0][0] != toks(cold_fine)[1][0]
 
@@ -98,8 +92,8 @@ def test_xxhash_without_pythonhashseed_is_refused_and_with_it_hits(tiny_model_di
     for fix in ("PYTHONHASHSEED", "sha256", "prefix_caching_hash_algo='xxhash'"):
         assert fix in refused["error"], refused["error"]
     seeded = _no_seed_env(PYTHONHASHSEED="1234")
-    a = ok(engine(tiny_model_dir, work, [P], pool=pool, llm=xx, env=seeded))
-    b = ok(engine(tiny_model_dir, work, [P], pool=pool, llm=xx, env=seeded))
+    a = served(engine(tiny_model_dir, work, [P], pool=pool, llm=xx, env=seeded))
+    b = served(engine(tiny_model_dir, work, [P], pool=pool, llm=xx, env=seeded))
     assert a["out"][0]["cached"] == 0 and b["out"][0]["cached"] == 3 * BLOCK
     # tokens do not depend on the hash algorithm; the oracle ran with sha256
     # and prefix_match_unit (a cold run is a cold run)
@@ -123,30 +117,30 @@ def test_new_weights_under_the_same_path_never_hit(reweighted, work):
     model = reweighted
     pool = {"path": str(work / "weights"), "capacity": "64MiB"}
     legacy = {"path": str(work / "weights-legacy"), "capacity": "64MiB"}
-    ok(engine(model, work, [P], pool=pool))
-    ok(engine(model, work, [P], pool=legacy, legacy_namespace=True))
+    served(engine(model, work, [P], pool=pool))
+    served(engine(model, work, [P], pool=legacy, legacy_namespace=True))
     config = (model / "config.json").read_text()
     shutil.rmtree(model)
     build_tiny_qwen3_next(model, seed=1)
     assert (model / "config.json").read_text() == config
-    cold = ok(engine(model, work, [P], patches="0"))
-    res = ok(engine(model, work, [P], pool=pool))
+    cold = served(engine(model, work, [P], patches="0"))
+    res = served(engine(model, work, [P], pool=pool))
     assert res["out"][0]["cached"] == 0
     assert toks(res) == toks(cold)
     # negative control: a namespace that does not see the weights serves
     # the old weights' pages and states
-    bad = ok(engine(model, work, [P], pool=legacy, legacy_namespace=True))
+    bad = served(engine(model, work, [P], pool=legacy, legacy_namespace=True))
     assert bad["out"][0]["cached"] == 3 * BLOCK
     assert toks(bad)[0][0] != toks(cold)[0][0]
 
 
 def test_another_mamba_ssm_dtype_never_hits(tiny_model_dir, work):
     pool = {"path": str(work / "dtype"), "capacity": "64MiB"}
-    ok(engine(tiny_model_dir, work, [P], pool=pool))
-    again = ok(engine(tiny_model_dir, work, [P], pool=pool))
+    served(engine(tiny_model_dir, work, [P], pool=pool))
+    again = served(engine(tiny_model_dir, work, [P], pool=pool))
     assert again["out"][0]["cached"] == 3 * BLOCK  # same settings: a hit
     bf16 = {"mamba_ssm_cache_dtype": "bfloat16"}
-    res = ok(engine(tiny_model_dir, work, [P], pool=pool, llm=bf16))
+    res = served(engine(tiny_model_dir, work, [P], pool=pool, llm=bf16))
     assert res["out"][0]["cached"] == 0
-    cold = ok(engine(tiny_model_dir, work, [P], patches="0", llm=bf16))
+    cold = served(engine(tiny_model_dir, work, [P], patches="0", llm=bf16))
     assert toks(res) == toks(cold)

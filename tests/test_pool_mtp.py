@@ -7,11 +7,12 @@ The MTP layer is a full-attention layer: vLLM puts it in the attention KV
 cache group (``mtp.layers.0.self_attn.attn`` next to
 ``model.layers.3.self_attn.attn``), so the pool saves and loads its pages with
 the target's.  The draft KV at a position ``i`` is computed from the token at
-``i + 1``, so the draft KV of a hit's last position depends on the first token
-*after* the hit, which the block hashes do not cover.  With speculative
-decoding configured the scheduler trims the final block of every external hit
-(DESIGN §5): the remaining hit is then followed by a block the request shares
-with the one that stored it, and every loaded draft page is exact.
+``i + 1``, so the draft KV of a block's last position depends on the first
+token *after* the block, which the block hashes do not cover.  The pool keys
+the drafter's pages of a block by that token: a request that continues the
+way the stored one did hits whole blocks (drafter pages included); one that
+continues differently hits one block less (the old rule, kept as
+``draft_hit_rule: "trim"``, dropped the last block of every hit).
 
 Greedy target tokens do not depend on the drafts (rejected drafts are
 replaced by the target's token), so the tests also compare the drafter's own
@@ -112,37 +113,58 @@ def test_mtp_model_loads_the_draft_layer(mtp_model_dir):
             "mtp.layers.0.mlp.gate.weight"} <= names
 
 
-def test_fresh_engine_hits_the_trimmed_prefix_with_identical_tokens_and_drafts(
+def test_fresh_engine_hits_whole_blocks_with_identical_tokens_and_drafts(
         mtp_model_dir, work, pool_a, baseline):
-    # Engine B, a new process, empty HBM, same pool.
+    # Engine B, a new process, empty HBM, same pool, the same prompt: the
+    # token after each block is the one A saw, so every block hits whole.
     res = engine(mtp_model_dir, work, [P], pool=pool_a)
-    cached = res["out"][0]["cached"]
-    # 3 full blocks are in the pool; with speculative decoding the final block
-    # of the hit is trimmed: 2 blocks.  (3 * BLOCK here means no trim.)
-    assert cached == 2 * BLOCK, f"hit {cached} tokens, expected the trimmed {2 * BLOCK}"
+    assert res["out"][0]["cached"] == 3 * BLOCK
     assert toks(res) == toks(baseline)[:1]
     assert drafted_tokens(res["log"]) > 0
     assert drafts(res) == drafts(baseline)[:1]
     lines = kv_metrics(res["log"])
-    assert sum(int(f["External hit tokens loaded"]) for f in lines) == 2 * BLOCK
+    assert sum(int(f["External hit tokens loaded"]) for f in lines) == 3 * BLOCK
 
 
 def test_hit_followed_by_a_different_token_keeps_exact_drafts(mtp_model_dir, work,
                                                              pool_a, baseline):
     # Q shares all of P's full blocks but not the token after them: the draft
-    # KV P stored for position 1919 (built from P's token 1920) is not Q's.
+    # KV P stored for position 1919 (built from P's token 1920) is not Q's,
+    # so the last block does not hit.
     res = engine(mtp_model_dir, work, [Q], pool=pool_a)
     assert res["out"][0]["cached"] == 2 * BLOCK
     assert toks(res) == toks(baseline)[1:]
     assert drafts(res) == drafts(baseline)[1:]
 
 
-def test_negative_control_untrimmed_hit_gives_stale_drafts(mtp_model_dir, work, pool_a,
-                                                           baseline):
-    """Without the trim, Q hits all 3 blocks: target tokens stay right (greedy
-    verification), but the drafter attends to P's draft KV at position 1919,
-    so its first draft after the prompt differs from a cold run."""
-    res = engine(mtp_model_dir, work, [Q], pool=pool_a, untrimmed=True)
+def test_next_token_rule_hits_more_than_the_trim_on_a_repeating_trace(mtp_model_dir, work,
+                                                                       baseline):
+    # Prompts that repeat with the same continuation, each in a fresh engine:
+    # the next-token rule hits every full block, the trim one block less.
+    rates = {}
+    for rule in ("next-token", "trim"):
+        pool = {"path": str(work / f"pool-{rule}"), "capacity": "64MiB",
+                "draft_hit_rule": rule}
+        engine(mtp_model_dir, work, [P], pool=pool)
+        res = engine(mtp_model_dir, work, [P], pool=pool)
+        assert toks(res) == toks(baseline)[:1] and drafts(res) == drafts(baseline)[:1]
+        rates[rule] = res["out"][0]["cached"] / 2000
+    print(f"token hit rate: next-token rule {rates['next-token']:.3f}, "
+          f"one-block trim {rates['trim']:.3f}")
+    assert rates == {"next-token": 3 * BLOCK / 2000, "trim": 2 * BLOCK / 2000}
+
+
+def test_negative_control_drafter_page_of_another_next_token_gives_stale_drafts(
+        mtp_model_dir, work, baseline):
+    """Drafter pages keyed without their next token (the debug knob), no
+    trim: Q hits all 3 blocks and loads the drafter page P saved for position
+    1919 (built from P's token 1920): target tokens stay right (greedy
+    verification), but the drafter's first draft after the prompt differs
+    from a cold run."""
+    pool = {"path": str(work / "pool-blind"), "capacity": "64MiB",
+            "debug_draft_token_blind": True}
+    engine(mtp_model_dir, work, [P], pool=pool)
+    res = engine(mtp_model_dir, work, [Q], pool=pool)
     assert res["out"][0]["cached"] == 3 * BLOCK
     assert toks(res) == toks(baseline)[1:]
     assert drafts(res) != drafts(baseline)[1:]
@@ -160,5 +182,5 @@ def test_drafter_layer_never_shares_keys_with_target_layer_0(work, tmp_path_fact
     pool = {"path": str(work / "pool-attn-first"), "capacity": "64MiB"}
     engine(model, work, [P], pool=pool)
     res = engine(model, work, [P], pool=pool)
-    assert res["out"][0]["cached"] == 2 * BLOCK
+    assert res["out"][0]["cached"] == 3 * BLOCK
     assert toks(res) == toks(cold)

@@ -26,7 +26,7 @@ from vllm_layerwise_patch.pool.config import PoolConfigError
 from vllm_layerwise_patch.testing.engines import engine_env, run_engine, toks
 
 SHARED = "users"  # a group every Debian machine has
-FILES = ("data.mdb", "lock.mdb", ".open.lock")
+FILES = ("data.mdb", "lock.mdb", ".open.lock", "generation")
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown/chgrp to others needs root")
 
@@ -37,6 +37,10 @@ def mode(p):
 
 def modes(path):
     return {n: mode(os.path.join(path, n)) for n in FILES} | {".": mode(path)}
+
+
+def expected(dir_mode, file_mode):
+    return {n: file_mode for n in FILES} | {".": dir_mode}
 
 
 def open_in_child(path, umask, **kw):
@@ -54,8 +58,7 @@ def open_in_child(path, umask, **kw):
 def test_fresh_pool_is_0700_with_files_0600_whatever_the_umask(tmp_path, umask):
     path = str(tmp_path / "pool")
     open_in_child(path, umask)
-    assert modes(path) == {".": 0o700, "data.mdb": 0o600, "lock.mdb": 0o600,
-                           ".open.lock": 0o600}
+    assert modes(path) == expected(0o700, 0o600)
     assert os.lstat(path).st_uid == os.geteuid()
 
 
@@ -113,8 +116,7 @@ def test_shared_group_pool_is_group_only(tmp_path):
     path = str(tmp_path / "shared")
     open_in_child(path, 0o000, shared_group=SHARED)
     gid = grp.getgrnam(SHARED).gr_gid
-    assert modes(path) == {".": 0o2770, "data.mdb": 0o660, "lock.mdb": 0o660,
-                           ".open.lock": 0o660}
+    assert modes(path) == expected(0o2770, 0o660)
     assert {os.lstat(os.path.join(path, n)).st_gid for n in FILES + (".",)} == {gid}
     # a shared pool of another group is refused; so is an unknown group
     other = tmp_path / "other-group"
@@ -143,8 +145,7 @@ def test_engine_creates_a_private_pool_under_umask_0(tiny_model_dir, work):
     res = run_engine({"model": str(tiny_model_dir), "prompts": [P], "umask": 0,
                       "pool": {"path": path, "capacity": "64MiB"}}, cwd=str(work))
     assert res["error"] is None, res["error"]
-    assert modes(path) == {".": 0o700, "data.mdb": 0o600, "lock.mdb": 0o600,
-                           ".open.lock": 0o600}
+    assert modes(path) == expected(0o700, 0o600)
 
 
 @pytest.mark.vllm
@@ -173,8 +174,7 @@ def test_engines_share_a_pool_through_shared_group(tiny_model_dir, work):
     assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
     assert b["out"][0]["cached"] == 3 * 640 and toks(b) == toks(a)
     gid = grp.getgrnam(SHARED).gr_gid
-    assert modes(path) == {".": 0o2770, "data.mdb": 0o660, "lock.mdb": 0o660,
-                           ".open.lock": 0o660}
+    assert modes(path) == expected(0o2770, 0o660)
     assert {os.lstat(os.path.join(path, n)).st_gid for n in FILES} == {gid}
 
 

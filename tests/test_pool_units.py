@@ -344,15 +344,15 @@ class CountingBackend:
                 self.in_flight.discard(layer)
 
 
-def _pages(n_layers, n_blocks, size):
-    return {f"model.layers.{i}.x": torch.zeros(n_blocks, size, dtype=torch.uint8)
-            for i in range(n_layers)}
+def _pages(tmp_path, n_layers, n_blocks, size):
+    """A real LMDB pool and zeroed KV pages: (backend, layer -> pages, layer order)."""
+    caches = {f"model.layers.{i}.x": torch.zeros(n_blocks, size, dtype=torch.uint8)
+              for i in range(n_layers)}
+    return LmdbBackend(str(tmp_path / "p"), 64 << 20), caches, list(caches)
 
 
 def test_pipeline_loads_every_layer_in_order_with_prefetch(tmp_path):
-    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
-    caches = _pages(6, 4, 1024)
-    order = list(caches)
+    be, caches, order = _pages(tmp_path, 6, 4, 1024)
     tasks, key_layer, expect = {}, {}, {}
     for li, layer in enumerate(order):
         for b in (1, 3):
@@ -377,9 +377,7 @@ def test_pipeline_loads_every_layer_in_order_with_prefetch(tmp_path):
 
 
 def test_pipeline_surfaces_missing_and_corrupt_entries(tmp_path):
-    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
-    caches = _pages(2, 2, 64)
-    order = list(caches)
+    be, caches, order = _pages(tmp_path, 2, 2, 64)
     be.put_many([(b"bad", pack(b"O" * 16, bytes(64)))])
     pipe = LayerwisePipeline(order, be, NS, prefetch=2)
     pipe.start({order[0]: [(b"missing", [caches[order[0]][1]])],
@@ -398,9 +396,7 @@ def test_pipeline_tolerant_mode_zeroes_and_lists_failed_items(tmp_path):
     # does not raise; its pages are zeroed (not left with stale or
     # half-written bytes) and it is listed for the worker to report; the
     # other items of the same layer still load.
-    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
-    caches = _pages(2, 3, 64)
-    order = list(caches)
+    be, caches, order = _pages(tmp_path, 2, 3, 64)
     good = torch.randint(1, 256, (64,), dtype=torch.uint8)
     be.put_many([(b"good", pack(NS, good.numpy().tobytes())),
                  (b"bad", pack(b"O" * 16, bytes(64)))])
@@ -429,7 +425,7 @@ def test_pipeline_tolerant_mode_zeroes_and_lists_failed_items(tmp_path):
 def test_save_queue_commit_leaves_out_excluded_pages(tmp_path):
     # A request whose load failed computed on zeroed pages: its pages are
     # excluded from the step's commit.
-    from vllm_layerwise_patch.pool.pipeline import SaveQueue
+    from vllm_layerwise_patch.pool.saving import SaveQueue
 
     be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
     q = SaveQueue(be, NS)
@@ -465,7 +461,7 @@ def _store(sched, hashes, blocks, kind):
 
     items = []
     for i in blocks:
-        for layer in sched.layers[kind]:
+        for layer in sched.target[kind]:
             items.append((page_key(NS, kind, hashes[i], 0, layer), pack(NS, b"x" * 8)))
         items.append((marker_key(NS, kind, hashes[i], 0), pack(NS, b"")))
     sched.backend.put_many(items)
@@ -533,17 +529,128 @@ def test_lookup_names_blocks_by_the_hash_at_their_last_unit(tmp_path):
     assert sched.lookup(_req(stored[:6], 25), 0) == 0
 
 
-def test_speculative_decoding_trims_the_final_block(stored):
-    from vllm_layerwise_patch.pool.keys import STATE, marker_key
+def _mtp_scheduler(tmp_path, rule="next-token"):
+    """Block 4 tokens; attention layer 0, state layer 1, drafter layer mtp.0."""
+    from vllm_layerwise_patch.pool.layout import PoolLayout
+    from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+
+    layout = PoolLayout(kinds=("attn", "state"), block_size=4, hash_block_size=4,
+                        group_layers=(("model.layers.0.x", "mtp.layers.0.x"),
+                                      ("model.layers.1.x",)))
+    return PoolScheduler(vllm_config=types.SimpleNamespace(kv_transfer_config=None),
+                         layout=layout, backend=LmdbBackend(str(tmp_path / "p"), 64 << 20),
+                         namespace=NS, config=PoolConfig.from_extra({"draft_hit_rule": rule}))
+
+
+def _store_mtp(sched, hashes, tokens, blocks):
+    """Commit blocks with the drafter's pages keyed by the token after each."""
+    from vllm_layerwise_patch.pool.keys import (ATTN, STATE, draft_marker_key,
+                                                draft_page_key, marker_key, page_key)
+
+    v = pack(NS, b"x" * 8)
+    items = []
+    for i in blocks:
+        tok = tokens[(i + 1) * 4]
+        items += [(page_key(NS, ATTN, hashes[i], 0, "0"), v),
+                  (marker_key(NS, ATTN, hashes[i], 0), pack(NS, b"")),
+                  (draft_page_key(NS, hashes[i], 0, "mtp.0", tok), v),
+                  (draft_marker_key(NS, hashes[i], 0, tok), pack(NS, b"")),
+                  (page_key(NS, STATE, hashes[i], 0, "1"), v),
+                  (marker_key(NS, STATE, hashes[i], 0), pack(NS, b""))]
+    sched.backend.put_many(items)
+
+
+def test_drafter_pages_hit_whole_blocks_when_the_next_token_matches(tmp_path):
+    sched = _mtp_scheduler(tmp_path)
+    assert sched.drafter == ["mtp.0"]
+    hashes = [bytes([i]) * 8 for i in range(4)]
+    tokens = list(range(100, 117))  # 17 tokens: 4 blocks + 1
+    _store_mtp(sched, hashes, tokens, range(4))
+    same = types.SimpleNamespace(block_hashes=hashes, num_tokens=17, request_id="r",
+                                 all_token_ids=tokens)
+    assert sched.lookup(same, 0) == 4  # no blanket trim
+    # continues differently after block 3 (token 16): block 3's drafter page
+    # is another token's, so the hit ends one block earlier
+    other = types.SimpleNamespace(block_hashes=hashes, num_tokens=17, request_id="q",
+                                  all_token_ids=tokens[:16] + [999])
+    assert sched.lookup(other, 0) == 3
+    # the old rule: one block off every hit
+    trim = _mtp_scheduler(tmp_path / "trim", rule="trim")
+    _store_mtp(trim, hashes, ["any"] * 17, range(4))
+    assert trim.lookup(same, 0) == 3 and trim.lookup(other, 0) == 3
+
+
+def test_repeated_lookups_of_a_cached_prefix_make_no_backend_call(stored):
+    sched, hashes = stored
+    req = _req(hashes, 4 * 4 + 1, rid="r1")
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+    before = dict(sched.backend.calls)
+    for _ in range(5):  # vLLM asks again while the request waits for KV space
+        assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+    assert dict(sched.backend.calls) == before
+    # another request, same prefix: cached markers and verification
+    other = _req(hashes, 4 * 4 + 1, rid="r2")
+    assert sched.get_num_new_matched_tokens(other, 0) == (16, False)
+    assert {k: v - before.get(k, 0) for k, v in sched.backend.calls.items()
+            if v != before.get(k, 0)} == {"pin": 1}  # its own pins only
+
+
+def test_a_block_another_process_saves_after_a_cached_miss_hits_next_time(stored):
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE
 
     sched, hashes = stored
-    req = _req(hashes, 4 * 4 + 1)
+    more = hashes + [bytes([9]) * 8]
+    req = _req(more, 5 * 4 + 1)
+    assert sched.lookup(req, 0) == 4  # block 4 is a (cached) miss
     assert sched.lookup(req, 0) == 4
-    sched.trim_blocks = 1
-    assert sched.lookup(req, 0) == 3
-    # the trimmed hit still needs the state at its own end
-    sched.backend.delete([marker_key(NS, STATE, hashes[2], 0)])
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = {sys.path!r}
+        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.base import pack
+        from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
+        be = LmdbBackend({sched.backend.path!r}, 64 << 20)
+        h, ns = {more[4]!r}, {NS!r}
+        be.put_many([(page_key(ns, ATTN, h, 0, "0"), pack(ns, b"x" * 8)),
+                     (marker_key(ns, ATTN, h, 0), pack(ns, b"")),
+                     (page_key(ns, STATE, h, 0, "1"), pack(ns, b"x" * 8)),
+                     (marker_key(ns, STATE, h, 0), pack(ns, b""))])
+        """)
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert sched.lookup(req, 0) == 5
+
+
+def test_an_evicted_block_is_never_a_hit_from_the_cache(stored):
+    sched, hashes = stored
+    req = _req(hashes, 4 * 4 + 1)
+    assert sched.lookup(req, 0) == 4 and sched.lookup(req, 0) == 4  # cached
+    from vllm_layerwise_patch.pool.keys import ATTN, group_key
+
+    sched.backend.delete_groups([group_key(NS, ATTN, hashes[2], 0)])  # as eviction does
     assert sched.lookup(req, 0) == 2
+
+
+def test_eight_requests_sharing_a_prefix_read_each_key_once_per_step(tmp_path):
+    # The worker's loads of one step: 8 requests loading the same 2 blocks
+    # into their own pages; each key is read once and fills all 8 pages.
+    from vllm_layerwise_patch.pool.layout import PoolLayout
+    from vllm_layerwise_patch.pool.metadata import LoadSpec, PoolMetadata
+    from vllm_layerwise_patch.pool.worker import PoolWorker
+
+    layout = PoolLayout(kinds=("attn", "state"), block_size=4, hash_block_size=4,
+                        group_layers=(("model.layers.0.x",), ("model.layers.1.x",)))
+    worker = PoolWorker(vllm_config=None, layout=layout, namespace=NS,
+                        backend=LmdbBackend(str(tmp_path / "p"), 64 << 20),
+                        config=PoolConfig.from_extra({}))
+    worker.caches = {n: torch.zeros(40, 64, dtype=torch.uint8) for n in layout.order}
+    worker.order = list(layout.order)
+    hashes = [b"a" * 8, b"b" * 8]
+    loads = [LoadSpec(f"r{i}", 0, 2, hashes, {0: [2 + 4 * i, 3 + 4 * i]}, {1: 3 + 4 * i}, {})
+             for i in range(8)]
+    tasks = worker._load_tasks(PoolMetadata(loads, []), bulk=False)
+    assert [len(tasks[n]) for n in layout.order] == [2, 1]  # distinct keys
+    assert all(len(dests) == 8 for items in tasks.values() for _, dests in items)
+    assert worker._owners["model.layers.1.x"] == [[f"r{i}" for i in range(8)]]
 
 
 def test_lookup_verification_shortens_the_hit_and_drops_the_block(stored):
@@ -560,7 +667,7 @@ def test_lookup_verification_shortens_the_hit_and_drops_the_block(stored):
     key = page_key(NS, ATTN, hashes[1], 0, "0")
     sched.backend.put_many([(key, pack(b"O" * 16, b"x" * 8))])  # foreign attention page
     assert sched.lookup(req, 0) == 1
-    assert sched._warned == {"truncated", "foreign-namespace"}
+    assert sched.log.seen == {"truncated", "foreign-namespace"}
     # a page that vanished (its marker stayed): the marker is dropped too
     sched.backend.delete([page_key(NS, ATTN, hashes[0], 0, "0")])
     assert sched.lookup(req, 0) == 0
@@ -576,7 +683,7 @@ def test_a_hit_pins_and_refreshes_what_its_load_reads(stored):
     sched, hashes = stored
     req = _req(hashes[:3], 3 * 4 + 1, rid="req-1")
     assert sched.get_num_new_matched_tokens(req, 4) == (8, False)
-    pinned = sorted(sched._pinned["req-1"])
+    pinned = sorted(sched._pinned["req-1"][0])
     assert pinned == sorted([group_key(NS, ATTN, hashes[1], 0), group_key(NS, ATTN, hashes[2], 0),
                              group_key(NS, STATE, hashes[2], 0)])
     be = sched.backend
@@ -620,7 +727,7 @@ def test_layer_ids_keep_drafter_layers_apart():
 
 
 def test_save_queue_commits_pages_and_markers_in_one_transaction(tmp_path):
-    from vllm_layerwise_patch.pool.pipeline import SaveQueue
+    from vllm_layerwise_patch.pool.saving import SaveQueue
 
     be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
     q = SaveQueue(be, NS)
@@ -641,7 +748,7 @@ def test_save_queue_full_pool_and_failures_are_counted_not_raised(tmp_path):
     import logging
 
     from vllm_layerwise_patch.pool.backends.base import FaultInjectingBackend
-    from vllm_layerwise_patch.pool.pipeline import SaveQueue
+    from vllm_layerwise_patch.pool.saving import SaveQueue
 
     records = []
     handler = logging.Handler()

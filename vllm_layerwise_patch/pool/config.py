@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 PREFIX = "kv_connector_extra_config"
 
@@ -70,14 +70,34 @@ def _address(v: Any) -> str:
     return v
 
 
+def _number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"expected a number, got {v!r}")
+    return float(v)
+
+
+def _metadata_server(v: Any) -> str:
+    if not isinstance(v, str) or (
+            v != "P2PHANDSHAKE" and not v.startswith(("http://", "https://", "etcd://"))):
+        raise ValueError(f"expected 'P2PHANDSHAKE' or an http:// metadata server URL, "
+                         f"got {v!r}")
+    return v
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+SizeOrZero = Annotated[int, BeforeValidator(lambda v: 0 if v in (0, "0") else parse_size(v))]
+Number = Annotated[float, BeforeValidator(_number)]
+Address = Annotated[str, BeforeValidator(_address)]
+
+
 class MooncakeConfig(BaseModel):
     """``kv_connector_extra_config.mooncake``: the Mooncake Store client."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    master_address: str = Field(
+    master_address: Address = Field(
         default="127.0.0.1:50051", description="the `mooncake_master` RPC address (host:port)")
-    metadata_server: str = Field(
+    metadata_server: Annotated[str, BeforeValidator(_metadata_server)] = Field(
         default="P2PHANDSHAKE",
         description="`P2PHANDSHAKE` (no metadata server) or an HTTP metadata server "
                     "`http://host:port/metadata`; every member of the pool uses the same")
@@ -87,57 +107,27 @@ class MooncakeConfig(BaseModel):
     local_hostname: str = Field(
         default="127.0.0.1",
         description="the address this client advertises to peers (loopback: one machine)")
-    global_segment_size: int = Field(
+    global_segment_size: SizeOrZero = Field(
         default=4 << 30,
         description="pool memory each worker process contributes (`0`: none, e.g. when a "
                     "`mooncake_client` holds the memory); it leaves with the process")
-    local_buffer_size: int = Field(
+    local_buffer_size: Size = Field(
         default=256 << 20,
         description="registered staging buffer per process for loads and saves (a quarter "
                     "must hold one layer's pages of a step)")
     replica_num: int = Field(default=1, ge=1, le=16, description="replicas per entry")
-    client_address: str | None = Field(
+    client_address: Address | None = Field(
         default=None,
         description="a same-node `mooncake_client` (host:port) holding the memory: loads "
                     "and saves go through shared memory (`setup_dummy`)")
-    reconnect_seconds: float = Field(
+    reconnect_seconds: Number = Field(
         default=10.0, gt=0, le=3600,
         description="while the master is unreachable, how often to try again")
 
-    @field_validator("master_address", mode="before")
-    @classmethod
-    def _master(cls, v: Any) -> str:
-        return _address(v)
 
-    @field_validator("client_address", mode="before")
-    @classmethod
-    def _client(cls, v: Any) -> str | None:
-        return None if v is None else _address(v)
-
-    @field_validator("metadata_server")
-    @classmethod
-    def _metadata(cls, v: str) -> str:
-        if v != "P2PHANDSHAKE" and not v.startswith(("http://", "https://", "etcd://")):
-            raise ValueError(f"expected 'P2PHANDSHAKE' or an http:// metadata server URL, "
-                             f"got {v!r}")
-        return v
-
-    @field_validator("global_segment_size", mode="before")
-    @classmethod
-    def _segment(cls, v: Any) -> int:
-        return 0 if v in (0, "0") else parse_size(v)
-
-    @field_validator("local_buffer_size", mode="before")
-    @classmethod
-    def _buffer(cls, v: Any) -> int:
-        return parse_size(v)
-
-    @field_validator("reconnect_seconds", mode="before")
-    @classmethod
-    def _reconnect(cls, v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"expected seconds, got {v!r}")
-        return float(v)
+def _debug(default: Any, what: str, **kw: Any) -> Any:
+    """A field for the tests' negative controls and fault injection."""
+    return Field(default=default, description=f"tests only: {what}", **kw)
 
 
 class PoolConfig(BaseModel):
@@ -160,7 +150,7 @@ class PoolConfig(BaseModel):
         default_factory=default_path, min_length=1,
         description="lmdb: pool directory; the default is per user "
                     "(`/dev/shm/vllm-layerwise-pool-<uid>`, tmpfs: RAM)")
-    capacity: int = Field(
+    capacity: Size = Field(
         default=4 << 30,
         description="lmdb: maximum pool size: bytes or a size with an exact unit (`512MiB`, "
                     "`8GiB`, `1TiB`; `GB` = 10^9); least recently used blocks are "
@@ -177,7 +167,7 @@ class PoolConfig(BaseModel):
     prefetch_layers: int = Field(default=2, ge=1, le=64,
                                  description="layers loaded ahead of compute")
     load_threads: int = Field(default=2, ge=1, le=32, description="load threads per worker")
-    pin_seconds: float = Field(
+    pin_seconds: Number = Field(
         default=30.0, ge=0,
         description="longest a pending load pins what it reads against eviction (pins "
                     "are released when the load is done; this bounds them if an engine "
@@ -186,43 +176,49 @@ class PoolConfig(BaseModel):
         default=True,
         description="read and check (length, crc32, namespace) every entry of a hit "
                     "before reporting it")
+    hit_cache_ttl: Number = Field(
+        default=30.0, ge=0,
+        description="the scheduler's hit cache: longest an answer is kept (it is dropped "
+                    "at once when any process stores or removes entries; `0`: off)")
+    hit_cache_size: int = Field(default=200_000, ge=0,
+                                description="the scheduler's hit cache: entries kept at most")
+    draft_hit_rule: Literal["next-token", "trim"] = Field(
+        default="next-token",
+        description="with speculative decoding: `next-token` keys the drafter's pages of a "
+                    "block by the token that followed it, so a request continuing the same "
+                    "way hits whole blocks; `trim` drops the last block of every hit")
+    defer_last_save: bool = Field(
+        default=False,
+        description="a step's final write (the last layer's pages and the commit markers) "
+                    "completes in the background, before the next step loads or saves, "
+                    "instead of at the end of the step")
     namespace_salt: str = Field(
         default="", description="extra namespace text (engines with different salts never "
                                 "share entries)")
-    debug_skip_mamba_load: bool = Field(
-        default=False, description="tests only: leave the state pages out of loads (shows "
-                                   "a wrong state changes tokens)")
-    debug_fail_load_layer: str = Field(
-        default="", description="tests only: this layer's first load fails (shows a "
-                                "failed load recomputes)")
-    debug_hide_load_errors: bool = Field(
-        default=False, description="tests only: zero failed loads without reporting them "
-                                   "(shows a missed recompute changes tokens)")
-    debug_load_delay_ms: float = Field(
-        default=0.0, ge=0, le=60_000,
-        description="tests only: every layer's load takes this long (loads still in "
-                    "flight when the forward reaches the layer)")
-    debug_copy_before_wait: bool = Field(
-        default=False, description="tests only: run a layer's deferred state copy before "
-                                   "its load completes (shows the order matters)")
-    debug_backend_fault: Literal["", "lookup", "load", "save"] = Field(
-        default="", description="tests only: this backend operation raises (shows a "
-                                "fault is a miss, a recompute or a skipped save)")
-    debug_load_tp_rank: int = Field(
-        default=-1, ge=-1, description="tests only: every TP rank loads this rank's pages "
-                                       "(shows ranks' pages differ)")
-
-    @field_validator("capacity", mode="before")
-    @classmethod
-    def _size(cls, v: Any) -> int:
-        return parse_size(v)
-
-    @field_validator("pin_seconds", "debug_load_delay_ms", mode="before")
-    @classmethod
-    def _seconds(cls, v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"expected a number, got {v!r}")
-        return float(v)
+    debug_skip_mamba_load: bool = _debug(
+        False, "leave the state pages out of loads (shows a wrong state changes tokens)")
+    debug_fail_load_layer: str = _debug(
+        "", "this layer's first load fails (shows a failed load recomputes)")
+    debug_hide_load_errors: bool = _debug(
+        False, "zero failed loads without reporting them (shows a missed recompute "
+               "changes tokens)")
+    debug_load_delay_ms: Number = _debug(
+        0.0, "every layer's load takes this long (loads still in flight when the forward "
+             "reaches the layer)", ge=0, le=60_000)
+    debug_copy_before_wait: bool = _debug(
+        False, "run a layer's deferred state copy before its load completes (shows the "
+               "order matters)")
+    debug_backend_fault: Literal["", "lookup", "load", "save"] = _debug(
+        "", "this backend operation raises (shows a fault is a miss, a recompute or a "
+            "skipped save)")
+    debug_load_tp_rank: int = _debug(
+        -1, "every TP rank loads this rank's pages (shows ranks' pages differ)", ge=-1)
+    debug_draft_token_blind: bool = _debug(
+        False, "drafter pages ignore the token after their block (shows a drafter page "
+               "saved for another next token changes the drafts)")
+    debug_event_log: str = _debug(
+        "", "append the send thread's events (pack, write start/end, step begin) to this "
+            "file, one JSON line each (shows the deferred drain's order)")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> PoolConfig:

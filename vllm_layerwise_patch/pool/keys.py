@@ -9,6 +9,13 @@ commit marker per (namespace, kind, block hash, TP rank)::
     <ns>/attn/<hash>/tp<r>/commit       every attention page of the block saved
     <ns>/state/<hash>/tp<r>/commit      every boundary-state page saved
 
+With speculative decoding the drafter's (MTP/EAGLE) attention pages of a
+block depend on the token *after* the block, which its hash does not cover,
+so they also name that token ``<t>``::
+
+    <ns>/attn/<hash>/tp<r>/L<layer>@<t>   a drafter layer's page of a block
+    <ns>/attn/<hash>/tp<r>/commit@<t>     every drafter page of the block saved
+
 ``<hash>`` is vLLM's prefix hash that covers exactly the block's tokens and
 everything before them (see :mod:`.layout`), ``<ns>`` the namespace
 fingerprint (:mod:`.identity`).  Everything before the last ``/`` is the
@@ -81,6 +88,14 @@ def page_key(ns: bytes, kind: str, block_hash: Any, tp: int, layer: str) -> byte
 
 def marker_key(ns: bytes, kind: str, block_hash: Any, tp: int) -> bytes:
     return group_key(ns, kind, block_hash, tp) + f"/{COMMIT}".encode()
+
+
+def draft_page_key(ns: bytes, block_hash: Any, tp: int, layer: str, token: int | str) -> bytes:
+    return page_key(ns, ATTN, block_hash, tp, layer) + f"@{token}".encode()
+
+
+def draft_marker_key(ns: bytes, block_hash: Any, tp: int, token: int | str) -> bytes:
+    return marker_key(ns, ATTN, block_hash, tp) + f"@{token}".encode()
 
 
 def group_of(key: bytes) -> bytes:

@@ -131,6 +131,12 @@ class PoolLayout:
     def layer_ids(self, kind: str) -> tuple[str, ...]:
         return tuple(layer_id(n) for n in self.layers(kind))
 
+    @functools.cached_property
+    def drafter_layers(self) -> frozenset[str]:
+        """Attention layers of a speculative drafter (MTP/EAGLE): the layers
+        outside the target model's numbered ``layers.N``."""
+        return frozenset(n for n in self.layers(ATTN) if not layer_id(n).isdigit())
+
     def groups(self, kind: str) -> tuple[int, ...]:
         return tuple(g for g, k in enumerate(self.kinds) if k == kind)
 

@@ -13,28 +13,19 @@ device event when the compute stream reaches a layer; loads submitted after it
 synchronise on that event before writing pages, so prefetch follows the
 stream, not the host.  On CPU there is no stream and no event.
 
-Saves: :class:`SaveQueue` - ``save_kv_layer`` enqueues a layer's pages with an
-event recorded on the compute stream; a send thread waits for the event,
-copies the pages to host bytes and packs them while later layers compute;
-:meth:`SaveQueue.commit` (once per step) waits for the queue to drain and
-writes the pages and their commit markers in one transaction.
+Saves go through :mod:`.saving` (the send thread).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import logging
-import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable
 
 import torch
 
-from .backends.base import HEADER_SIZE, Backend, PoolFull, header, pack, unpack
-
-logger = logging.getLogger("vllm.layerwise_patch")
+from .backends.base import HEADER_SIZE, Backend, unpack
 
 # torch.frombuffer warns on read-only buffers; we only read from them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -211,157 +202,3 @@ class LayerwisePipeline:
     def close(self) -> None:
         self.drain()
         self.pool.shutdown(wait=True)
-
-
-PageFn = Callable[[str, int], torch.Tensor]
-
-
-class PackArena:
-    """Host memory the send thread packs values into: each value is its
-    header followed by one copy of the page (device -> host on a GPU), the
-    checksum read from that copy in place.  Chunks are allocated once,
-    pre-faulted (first touch costs 5-20x a copy) and pinned when CUDA is
-    there, and reused every step; values are views, valid until
-    :meth:`reset` (after the step's write)."""
-
-    CHUNK = 64 << 20
-
-    def __init__(self, namespace: bytes) -> None:
-        self.ns = namespace
-        self._chunks: list[torch.Tensor] = []
-        self._chunk = 0
-        self._off = 0
-
-    def _new_chunk(self, size: int) -> torch.Tensor:
-        pin = torch.cuda.is_available()
-        t = torch.empty(max(size, self.CHUNK), dtype=torch.uint8, pin_memory=pin)
-        t.zero_()  # pre-fault
-        return t
-
-    def _alloc(self, n: int) -> torch.Tensor:
-        while True:
-            if self._chunk == len(self._chunks):
-                self._chunks.append(self._new_chunk(n))
-            buf = self._chunks[self._chunk]
-            if self._off + n <= buf.numel():
-                view = buf[self._off:self._off + n]
-                self._off += (n + 63) & ~63  # keep payloads cache-line aligned
-                return view
-            if self._off == 0:  # a value larger than a chunk: give it its own
-                self._chunks[self._chunk] = self._new_chunk(n)
-                continue
-            self._chunk, self._off = self._chunk + 1, 0
-
-    def pack(self, page: torch.Tensor) -> memoryview:
-        n = page.numel()
-        value = self._alloc(HEADER_SIZE + n)
-        value[HEADER_SIZE:].copy_(page.reshape(-1).view(torch.uint8))
-        host = value.numpy()
-        host[:HEADER_SIZE] = memoryview(header(self.ns, host[HEADER_SIZE:]))
-        return memoryview(host)
-
-    def reset(self) -> None:
-        self._chunk, self._off = 0, 0
-
-
-def _record_event(device: torch.device | None):
-    if device is not None and device.type == "cuda":
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
-    return None
-
-
-class SaveQueue:
-    """The send thread of the save path (see module doc).  Save failures are
-    logged once and counted, never raised into the forward: a missed save
-    only costs a future hit.  A pool with no room (pinned entries fill it, or
-    its filesystem is full) skips the save: counted in ``skipped``, logged
-    once."""
-
-    def __init__(self, backend: Backend, namespace: bytes) -> None:
-        self.backend = backend
-        self.ns = namespace
-        self._q: queue.Queue = queue.Queue()
-        self._items: list[tuple[bytes, memoryview]] = []
-        self._arena = PackArena(namespace)
-        self.bytes_saved = 0
-        self.seconds = 0.0
-        self.failures = 0
-        self.skipped = 0
-        self._warned: set[str] = set()
-        self._thread = threading.Thread(target=self._run, name="vlp-send", daemon=True)
-        self._thread.start()
-
-    def submit(self, pages: list[tuple[bytes, torch.Tensor]], device=None) -> None:
-        if pages:
-            self._q.put(("pages", _record_event(device), pages))
-
-    def commit(self, markers: list[bytes], exclude: frozenset[bytes] | set[bytes] = frozenset()) -> bool:
-        """Wait for every queued page, then write pages + ``markers`` (empty
-        values) atomically, leaving out pages whose key is in ``exclude``.
-        Returns False when the write failed."""
-        done: list = []
-        ev = threading.Event()
-        self._q.put(("commit", (markers, exclude), (done, ev)))
-        ev.wait()
-        return bool(done and done[0])
-
-    def close(self) -> None:
-        self._q.put(("stop", None, None))
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        with torch.inference_mode():
-            while True:
-                kind, a, b = self._q.get()
-                if kind == "stop":
-                    return
-                if kind == "pages":
-                    t0 = time.perf_counter()
-                    try:
-                        if a is not None:
-                            a.synchronize()
-                        for key, page in b:
-                            self._items.append((key, self._arena.pack(page)))
-                    except Exception as exc:  # keep the thread alive
-                        self._fail(exc)
-                    self.seconds += time.perf_counter() - t0
-                    continue
-                done, ev = b
-                markers, exclude = a
-                t0 = time.perf_counter()
-                ok = False
-                try:
-                    if exclude:
-                        self._items = [(k, v) for k, v in self._items if k not in exclude]
-                    if self._items or markers:
-                        items = self._items + [(m, pack(self.ns, b"")) for m in markers]
-                        self.backend.put_many(items)
-                        self.bytes_saved += sum(len(v) for _, v in self._items)
-                    ok = True
-                except PoolFull as exc:
-                    self.skipped += 1
-                    self._warn("full", "vllm-layerwise-patch pool: no room for this step's "
-                               "saves (%s); they are skipped, outputs are unaffected "
-                               "(further skips are counted as 'Saves skipped', not "
-                               "logged)", exc)
-                except Exception as exc:
-                    self._fail(exc)
-                finally:
-                    self._items = []
-                    self._arena.reset()
-                    self.seconds += time.perf_counter() - t0
-                    done.append(ok)
-                    ev.set()
-
-    def _warn(self, kind: str, msg: str, *args) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            logger.warning(msg, *args)
-
-    def _fail(self, exc: Exception) -> None:
-        self.failures += 1
-        self._warn("fail", "vllm-layerwise-patch pool: a save failed (%s: %s); those "
-                   "blocks are not stored (further failures are counted, not logged)",
-                   type(exc).__name__, exc)

@@ -1,26 +1,12 @@
-"""Scheduler side of the pool connector (engine-core process): hit lookup,
-load/save planning, per-step connector metadata.
-
-A hybrid hit of ``k`` blocks needs, for every TP rank, the attention pages of
-blocks ``local..k-1`` and the linear-attention state at the end of block
-``k-1`` (DESIGN §7-§8).  The lookup walks the request's pool blocks (named as
-in :mod:`.layout`) while the attention commit marker exists, then takes the
-longest prefix of that run whose last block has a boundary-state marker; it is
-capped at ``(num_tokens - 1) // block`` so one token is always computed.  With
-``verify_on_lookup`` the entries behind a hit are read and checked (length,
-checksum, namespace) before the hit is reported: a damaged or missing page
-shortens the hit and drops its whole block (pages and marker) from the pool,
-so that block is saved again when it is next computed.
+"""Scheduler side of the pool connector (engine-core process): the hit lookup
+(:mod:`.lookup`), pins, load/save planning, per-step connector metadata.
 
 A reported hit pins (and refreshes) every group its load reads, per request:
 eviction never takes them while the load is pending.  Each worker releases
 its own rank's pins once its load has finished; the scheduler releases any
 left when the request finishes; ``pin_seconds`` bounds a pin if an engine
-dies.
-
-With speculative decoding configured (MTP/EAGLE) the final block of every
-hit is trimmed: the drafter's KV at a hit's last position depends on the
-token after the hit.
+dies.  A request vLLM looks up again (it waits for KV space) keeps its pins
+without another backend call.
 
 Any backend error during a lookup is a miss (logged once); during save
 planning the step's saves are skipped.  A request whose load failed is not
@@ -35,41 +21,14 @@ import dataclasses
 import logging
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+import time
 
-from .backends.base import HEADER_SIZE, CorruptEntry, unpack
-from .keys import ATTN, STATE, group_key, marker_key, page_key
+from .keys import ATTN, STATE
 from .layout import PoolLayout
+from .lookup import PoolLookup
+from .metadata import AttnSave, LoadSpec, PoolMetadata, SaveSpec, load_groups, owner_of
 
 logger = logging.getLogger("vllm.layerwise_patch")
-
-
-@dataclasses.dataclass
-class LoadSpec:
-    req_id: str
-    start: int  # first block to load (the block-aligned local hit)
-    end: int  # blocks [start, end) are loaded; the state at end-1
-    hashes: list[bytes]  # pool block hashes of [start, end)
-    attn_blocks: dict[int, list[int]]  # attention group -> block ids of [start, end)
-    mamba_blocks: dict[int, int]  # state group -> block id of column end-1
-    running_blocks: dict[int, int]  # state group -> block id of this step's running column
-
-
-@dataclasses.dataclass
-class SaveSpec:
-    req_id: str
-    attn: list[tuple[bytes, dict[int, int]]]  # (block hash, attention group -> block id)
-    mamba: list[tuple[bytes, dict[int, int]]]  # (block hash, state group -> block id)
-
-
-class PoolMetadata(KVConnectorMetadata):
-    def __init__(self, loads: list[LoadSpec], saves: list[SaveSpec],
-                 report_load_errors: bool = False) -> None:
-        self.loads = loads
-        self.saves = saves
-        # the scheduler can take block load errors for this layout: a failed
-        # load is reported (the request recomputes) instead of raised
-        self.report_load_errors = report_load_errors
 
 
 @dataclasses.dataclass
@@ -79,128 +38,35 @@ class _Tracked:
     loaded_end: int = 0
 
 
-def owner_of(req_id: str) -> bytes:
-    """Pin owner of a request's pending load."""
-    return req_id.encode()
-
-
-def load_groups(ns: bytes, hashes: list[bytes], tp_ranks: range | list[int],
-                has_state: bool) -> list[bytes]:
-    """Every group a load of ``hashes`` (state at the last one) reads."""
-    out = [group_key(ns, ATTN, h, tp) for h in hashes for tp in tp_ranks]
-    if has_state and hashes:
-        out += [group_key(ns, STATE, hashes[-1], tp) for tp in tp_ranks]
-    return out
-
-
-class PoolScheduler:
+class PoolScheduler(PoolLookup):
     def __init__(self, *, vllm_config: Any, layout: PoolLayout, backend: Any,
                  namespace: bytes, config: Any) -> None:
-        self.backend = backend
-        self.ns = namespace
-        self.config = config
-        self.layout = layout
-        self.block_size = layout.block_size
-        # MTP/EAGLE: the drafter's KV at a hit's last position depends on the
-        # token after the hit: trim one block off every external hit.
-        self.trim_blocks = 1 if getattr(vllm_config, "speculative_config", None) else 0
-        self.tp_size = layout.tp_size
-        self.layers = {ATTN: layout.layer_ids(ATTN), STATE: layout.layer_ids(STATE)}
+        super().__init__(layout=layout, backend=backend, namespace=namespace, config=config)
         self._pending: dict[str, int] = {}  # req_id -> hit blocks (lookup -> alloc)
-        self._pinned: dict[str, list[bytes]] = {}  # req_id -> groups pinned for its load
+        # req_id -> (groups pinned for its load, when)
+        self._pinned: dict[str, tuple[list[bytes], float]] = {}
         self._issued: dict[str, set[int]] = {}  # req_id -> block ids its loads fill
         self._load_failed: set[str] = set()  # requests recomputing after a failed load
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
-        self._warned: set[str] = set()
         self._report_errors: bool | None = None
         ktc = getattr(vllm_config, "kv_transfer_config", None)
         self.failure_policy = getattr(ktc, "kv_load_failure_policy", None) or "fail"
         self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0}
 
-    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            logger.warning(msg, *args)
-
-    # -- lookup ----------------------------------------------------------------
-    def _present(self, kind: str, hashes: list[bytes]) -> list[bool]:
-        keys = [marker_key(self.ns, kind, h, tp) for h in hashes for tp in range(self.tp_size)]
-        found = self.backend.exists_many(keys)
-        t = self.tp_size
-        return [all(found[i * t:(i + 1) * t]) for i in range(len(hashes))]
-
-    def _verify(self, hashes: list[bytes], local: int, run: int,
-                state_ok: list[bool]) -> tuple[list[bool], list[bool]]:
-        """Read and check every entry a hit inside blocks ``[local, run)`` could
-        load, in one batch: attention pages of each block and the boundary
-        state of each block that has a marker.  Returns per block (attention
-        sound, boundary state sound).  A damaged or missing page drops its
-        whole group (the block's pages of that kind and its marker), so the
-        block is saved again when next computed; damage is logged once per
-        kind."""
-        keys: list[tuple[int, str, int, bytes]] = []
-        for i in range(local, run):
-            for tp in range(self.tp_size):
-                keys += [(i, ATTN, tp, page_key(self.ns, ATTN, hashes[i], tp, layer))
-                         for layer in self.layers[ATTN]]
-                if state_ok[i]:
-                    keys += [(i, STATE, tp, page_key(self.ns, STATE, hashes[i], tp, layer))
-                             for layer in self.layers[STATE]]
-        sound = {ATTN: [True] * run, STATE: list(state_ok)}
-        broken: set[bytes] = set()
-
-        def check(j: int, key: bytes, value: Any) -> None:
-            i, kind, tp, _ = keys[j]
-            try:
-                if value is None:
-                    raise CorruptEntry("missing", key, "evicted or never stored")
-                unpack(key, value, self.ns)
-            except CorruptEntry as err:
-                if err.kind == "missing":
-                    self._warn_once("missing", "vllm-layerwise-patch pool: %s; its block is "
-                                    "dropped and recomputed (further missing pages are "
-                                    "not logged)", err)
-                else:
-                    self._warn_once(err.kind, "vllm-layerwise-patch pool: %s; the entry "
-                                    "is dropped and those blocks are recomputed (further "
-                                    "'%s' entries are not logged)", err, err.kind)
-                broken.add(group_key(self.ns, kind, hashes[i], tp))
-                sound[kind][i] = False
-
-        self.backend.read_many([k for *_, k in keys], check,
-                               [HEADER_SIZE + self.layout.page_bytes] * len(keys))
-        if broken:
-            self.backend.delete_groups(sorted(broken))
-        return sound[ATTN], sound[STATE]
-
-    def lookup(self, request: Any, num_computed_tokens: int) -> int:
-        """Hit length in pool blocks (0 when the pool cannot beat the local hit)."""
-        L, B = self.layout, self.block_size
-        hashes = request.block_hashes
-        if not L.hashes_match(hashes, request.num_tokens):
-            self._warn_once(
-                "granularity", "vllm-layerwise-patch pool: request %s has %d prefix hashes "
-                "for %d tokens, not one per %d tokens as the pool layout says; it is not "
-                "looked up (further mismatches are not logged)", request.request_id,
-                len(hashes), request.num_tokens, L.hash_block_size)
-            return 0
-        n = min(L.num_blocks(hashes), max(0, (request.num_tokens - 1) // B))
-        local = num_computed_tokens // B
-        if n <= local:
-            return 0
-        blocks = L.block_hashes(hashes, 0, n)
-        attn_ok = self._present(ATTN, blocks[local:n])
-        run = local + next((i for i, ok in enumerate(attn_ok) if not ok), n - local)
-        state_ok = [False] * local + (self._present(STATE, blocks[local:run])
-                                      if L.has_state else [True] * (run - local))
-        if self.config.verify_on_lookup and run > local:
-            attn_sound, state_ok = self._verify(blocks, local, run, state_ok)
-            run = next((i for i in range(local, run) if not attn_sound[i]), run)
-        k = run - self.trim_blocks
-        while k > local and not state_ok[k - 1]:
-            k -= 1
-        return k if k > local else 0
+    def _pin(self, rid: str, groups: list[bytes]) -> None:
+        """Pin ``groups`` for ``rid``'s load (again only when they changed or
+        half the pin time passed), release what it no longer needs."""
+        old, at = self._pinned.pop(rid, ([], 0.0))
+        now = time.monotonic()
+        if groups and (groups != old or now - at > self.config.pin_seconds / 2):
+            self.backend.pin(groups, self.config.pin_seconds, owner_of(rid))
+            at = now
+        stale = set(old) - set(groups)
+        if stale:
+            self.backend.unpin(sorted(stale), owner_of(rid))
+        if groups:
+            self._pinned[rid] = (groups, at)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         self.stats["lookups"] += 1
@@ -218,14 +84,9 @@ class PoolScheduler:
                 B, L = self.block_size, self.layout
                 hashes = L.block_hashes(request.block_hashes, num_computed_tokens // B, k)
                 groups = load_groups(self.ns, hashes, range(self.tp_size), L.has_state)
-                self.backend.pin(groups, self.config.pin_seconds, owner_of(rid))
-            stale = set(self._pinned.pop(rid, [])) - set(groups)
-            if stale:
-                self.backend.unpin(sorted(stale), owner_of(rid))
-            if groups:
-                self._pinned[rid] = groups
+            self._pin(rid, groups)
         except Exception as exc:  # noqa: BLE001 - the pool never stops the engine
-            self._warn_once("lookup-error", "vllm-layerwise-patch pool: a lookup failed "
+            self.log.warning("lookup-error", "vllm-layerwise-patch pool: a lookup failed "
                             "(%s: %s); treated as a miss, the request is computed (further "
                             "lookup errors are not logged)", type(exc).__name__, exc)
             return 0, False
@@ -246,7 +107,10 @@ class PoolScheduler:
         kinds = self.layout.kinds
         attn = {g: list(ids[start:k]) for g, ids in enumerate(block_ids) if kinds[g] == ATTN}
         mamba = {g: ids[k - 1] for g, ids in enumerate(block_ids) if kinds[g] == STATE}
-        self._loads.append(LoadSpec(request.request_id, start, k, hashes, attn, mamba, {}))
+        tokens = ([self.next_token(request, i) for i in range(start, k)]
+                  if self.drafter else [])
+        self._loads.append(LoadSpec(request.request_id, start, k, hashes, attn, mamba, {},
+                                    tokens))
         self._issued[request.request_id] = {b for ids in attn.values() for b in ids} | set(
             mamba.values())
         self.stats["hit_tokens"] += num_external_tokens
@@ -287,9 +151,10 @@ class PoolScheduler:
             spec.running_blocks = {g: t.blocks[g][col] for g in spec.mamba_blocks
                                    if col < len(t.blocks[g])}
         try:
+            self.note_generation()
             saves = self._plan_saves(steps)
         except Exception as exc:  # noqa: BLE001 - a missed save only costs a hit
-            self._warn_once("save-plan-error", "vllm-layerwise-patch pool: planning saves "
+            self.log.warning("save-plan-error", "vllm-layerwise-patch pool: planning saves "
                             "failed (%s: %s); this step's blocks are not stored (further "
                             "errors are not logged)", type(exc).__name__, exc)
             saves = []
@@ -310,16 +175,23 @@ class PoolScheduler:
             attn, mamba = [], []
             if done:
                 names = [L.block_hash(hashes, j) for j in done]
-                for j, h, present in zip(done, names, self._present(ATTN, names)):
-                    if not present:
-                        attn.append((h, self._ids(t, j, ATTN)))
+                tokens = [self.next_token(t.request, j) if self.drafter else None
+                          for j in done]
+                known = [(h, tok) for h, tok in zip(names, tokens) if tok is not None]
+                found = iter(self.draft_present(known) if known else [])
+                drafts = [tok is None or next(found) for tok in tokens]
+                for j, h, tok, present, draft in zip(done, names, tokens,
+                                                     self.present(ATTN, names), drafts):
+                    if not present or (tok is not None and not draft):
+                        attn.append(AttnSave(h, self._ids(t, j, ATTN), tok,
+                                             draft_only=present))
             if after % B == 0 and L.has_state:
                 j = after // B - 1
                 ids = self._ids(t, j, STATE) if j < nblocks else {}
                 # block 0 is vLLM's null block: no state lives there
                 if j >= t.loaded_end and ids and 0 not in ids.values():
                     h = L.block_hash(hashes, j)
-                    if not self._present(STATE, [h])[0]:
+                    if not self.present(STATE, [h])[0]:
                         mamba.append((h, ids))
             if attn or mamba:
                 saves.append(SaveSpec(req_id, attn, mamba))
@@ -376,7 +248,7 @@ class PoolScheduler:
         self._pending.pop(rid, None)
         self._issued.pop(rid, None)
         self._load_failed.discard(rid)
-        groups = self._pinned.pop(rid, None)
+        groups, _ = self._pinned.pop(rid, (None, 0))
         if groups:
             try:
                 self.backend.unpin(groups, owner_of(rid))

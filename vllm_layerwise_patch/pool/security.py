@@ -32,7 +32,7 @@ from .config import PREFIX, PoolConfigError
 logger = logging.getLogger("vllm.layerwise_patch")
 
 #: files the LMDB backend keeps in the pool directory
-POOL_FILES = ("data.mdb", "lock.mdb", ".open.lock")
+POOL_FILES = ("data.mdb", "lock.mdb", ".open.lock", "generation")
 
 
 def _user(uid: int) -> str:

@@ -48,6 +48,7 @@ class PoolStats(KVConnectorStats):
             "Loaded (GB)": round(d["bytes_loaded"] / gb, 4),
             "Load throughput (GB/s)": round(d["bytes_loaded"] / gb / d["load_seconds"], 3)
             if d["load_seconds"] else 0.0,
+            "Load time (ms)": round(d["load_seconds"] * 1e3, 2),
             "Forward wait on loads (ms)": round(d["wait_seconds"] * 1e3, 2),
             "Saved (GB)": round(d["bytes_saved"] / gb, 4),
             "Save throughput (GB/s)": round(d["bytes_saved"] / gb / d["save_seconds"], 3)

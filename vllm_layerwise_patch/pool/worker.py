@@ -35,56 +35,25 @@ from typing import Any
 import torch
 
 from ..copy_protocol import COPY_FOR_LAYER
-from .config import PoolConfigError
-from .keys import ATTN, STATE, group_of, layer_id, marker_key, page_key
+from .keys import ATTN, STATE, draft_marker_key, draft_page_key, layer_id, marker_key, page_key
 from .layout import PoolLayout
-from .pipeline import LayerwisePipeline, LoadItem, SaveQueue
-from .scheduler import PoolMetadata, load_groups, owner_of
+from .pipeline import LayerwisePipeline
+from .saving import SaveQueue
+from .side import PoolSide
+from .worker_loads import WorkerLoads
+from .worker_env import layerwise_patches_applied, resolve_tp_rank
+from .metadata import PoolMetadata
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
-LAYERWISE_PATCHES = ("deferred-mamba-precopy", "gdn-layer-hooks")
 
-
-def layerwise_patches_applied() -> tuple[bool, str]:
-    try:
-        from ..activation import registry
-
-        reg = registry()
-        missing = [p for p in LAYERWISE_PATCHES if not reg.is_applied(p)]
-    except Exception as exc:  # pragma: no cover - defensive
-        return False, f"overlay registry unavailable ({exc})"
-    if missing:
-        return False, "overlay patch(es) not applied in this process: " + ", ".join(missing)
-    return True, "overlay patches applied"
-
-
-def resolve_tp_rank(tp_size: int) -> int:
-    """This worker's TP rank; with TP > 1 an unresolvable rank is a startup
-    error (ranks would overwrite each other's pages)."""
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except Exception as exc:
-        if tp_size > 1:
-            raise PoolConfigError(
-                f"LayerwisePoolConnector: cannot tell this worker's tensor-parallel rank "
-                f"(TP size {tp_size}): {type(exc).__name__}: {exc}") from None
-        return 0
-
-
-class PoolWorker:
+class PoolWorker(WorkerLoads, PoolSide):
     def __init__(self, *, vllm_config: Any, layout: PoolLayout, backend: Any,
                  namespace: bytes, config: Any) -> None:
-        self.backend = backend
-        self.ns = namespace
-        self.config = config
-        self.layout = layout
+        super().__init__(layout=layout, backend=backend, namespace=namespace, config=config)
         self.tp_rank = resolve_tp_rank(layout.tp_size)
         self.layer_group = layout.layer_group
         self.layer_kind = layout.layer_kind
-        self.block_size = layout.block_size
         self.caches: dict[str, torch.Tensor] = {}
         self.order: list[str] = []
         self.layerwise = False
@@ -97,11 +66,11 @@ class PoolWorker:
         self._owners: dict[str, list[str]] = {}
         self._failed_reqs: set[str] = set()
         self._debug_failed = False
-        self._warned: set[str] = set()
         from .stats import PoolStats
 
         self.stats = PoolStats()
         self._reported = {"bytes_loaded": 0, "wait_seconds": 0.0, "load_seconds": 0.0,
+                          "blocks_saved": 0,
                           "bytes_saved": 0, "save_seconds": 0.0, "saves_skipped": 0,
                           "save_failures": 0, "evictions": 0}
 
@@ -129,7 +98,9 @@ class PoolWorker:
                                           # checksum a hit relies on
                                           check_crc=not self.config.verify_on_lookup,
                                           delay=self.config.debug_load_delay_ms / 1e3)
-        self.saver = SaveQueue(self.backend, self.ns)
+        self._events: list | None = [] if self.config.debug_event_log else None
+        self._flushed = 0
+        self.saver = SaveQueue(self.backend, self.ns, events=self._events)
         self.device = next(iter(self.caches.values())).device if self.caches else None
 
     def page(self, layer: str, block_id: int) -> torch.Tensor:
@@ -138,36 +109,13 @@ class PoolWorker:
         return self.caches[layer][block_id].reshape(-1).view(torch.uint8)
 
     # -- loads -----------------------------------------------------------------
-    def _load_tasks(self, meta: PoolMetadata, bulk: bool) -> dict[str, list[LoadItem]]:
-        """Per layer, the (key, destination pages) items of this step's loads;
-        ``self._owners`` records which request each item belongs to."""
-        tasks: dict[str, list[LoadItem]] = {}
-        self._owners = {}
-        rank = self.tp_rank
-        if self.config.debug_load_tp_rank >= 0:  # negative control (tests)
-            rank = self.config.debug_load_tp_rank
-        for spec in meta.loads:
-            for layer in self.order:
-                g, kind = self.layer_group[layer], self.layer_kind[layer]
-                idx = layer_id(layer)
-                items = tasks.setdefault(layer, [])
-                owners = self._owners.setdefault(layer, [])
-                if kind == ATTN:
-                    for h, bid in zip(spec.hashes, spec.attn_blocks.get(g, [])):
-                        items.append((page_key(self.ns, ATTN, h, rank, idx),
-                                      [self.page(layer, bid)]))
-                        owners.append(spec.req_id)
-                elif g in spec.mamba_blocks and not self.config.debug_skip_mamba_load:
-                    dests = [self.page(layer, spec.mamba_blocks[g])]
-                    running = spec.running_blocks.get(g)
-                    if bulk and running is not None and running != spec.mamba_blocks[g]:
-                        dests.append(self.page(layer, running))
-                    items.append((page_key(self.ns, STATE, spec.hashes[-1], rank, idx),
-                                  dests))
-                    owners.append(spec.req_id)
-        return tasks
-
     def begin_step(self, meta: PoolMetadata) -> None:
+        # a deferred final-layer save of the previous step completes before
+        # this step loads or saves anything (and before its forward may
+        # overwrite pages that save still reads)
+        self.saver.drain()
+        if self._events is not None:
+            self._events.append(("step-begin", self.saver._step))
         self._meta = meta
         if meta.loads:
             self.stats.add(hit_tokens=sum(
@@ -182,81 +130,6 @@ class PoolWorker:
         if self._meta is not None and not self.layerwise and self._meta.loads:
             self.pipeline.load_all(self._debug_fail(self._load_tasks(self._meta, bulk=True)),
                                    tolerate_errors=self._tolerate(self._meta))
-
-    @staticmethod
-    def _tolerate(meta: PoolMetadata) -> bool:
-        """Report failed loads to vLLM (the request recomputes) only when the
-        scheduler process can take block load errors for this layout (the
-        ``hybrid-load-recompute`` patch, announced in the metadata);
-        otherwise a failed load raises: the forward must not run on a wrong
-        state."""
-        return bool(getattr(meta, "report_load_errors", False))
-
-    def _debug_fail(self, tasks: dict[str, list[LoadItem]]) -> dict[str, list[LoadItem]]:
-        """debug_fail_load_layer (tests): that layer's loads fail in the first
-        step that loads it, as a pool entry removed between lookup and load
-        would."""
-        layer = self.config.debug_fail_load_layer
-        if layer and layer in tasks and not self._debug_failed:
-            self._debug_failed = True
-            tasks[layer] = [(b"\0debug-missing/" + k, d) for k, d in tasks[layer]]
-        return tasks
-
-    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            logger.warning(msg, *args)
-
-    def _collect_failures(self) -> set[str]:
-        """Requests whose loads failed this step (tolerant mode); the blocks
-        behind a failed item are dropped from the pool (so they are saved
-        again when recomputed)."""
-        if self.pipeline is None or not self.pipeline.failures:
-            return self._failed_reqs
-        broken = set()
-        for layer, i, key, exc in self.pipeline.failures:
-            req = self._owners.get(layer, [])[i]
-            if not key.startswith(b"\0"):  # (a debug_fail_load_layer key)
-                broken.add(group_of(key))
-            if req not in self._failed_reqs:
-                self._failed_reqs.add(req)
-                self.stats.add(load_failures=1)
-                self._warn_once(
-                    "load", "vllm-layerwise-patch pool: a load failed (%s: %s); request %s "
-                    "is handed back to vLLM's kv_load_failure_policy (recompute or fail) "
-                    "and its pages are not used (further failures are counted in the "
-                    "metrics, not logged)", type(exc).__name__, exc, req)
-        self.pipeline.failures = []
-        if broken:
-            try:
-                self.backend.delete_groups(sorted(broken))
-            except Exception:  # noqa: BLE001 - best effort; the lookup drops them too
-                pass
-        return self._failed_reqs
-
-    def _release_pins(self, meta: PoolMetadata) -> None:
-        """This rank has read what its loads needed: release the scheduler's
-        pins on this rank's groups."""
-        for spec in meta.loads:
-            groups = load_groups(self.ns, spec.hashes, [self.tp_rank], self.layout.has_state)
-            try:
-                self.backend.unpin(groups, owner_of(spec.req_id))
-            except Exception:  # noqa: BLE001 - pins expire after pin_seconds anyway
-                pass
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """Every block id (all groups) of this step's loads that failed: the
-        patched scheduler maps them back to the requests holding them."""
-        failed = self._collect_failures()
-        if not failed or self._meta is None or self.config.debug_hide_load_errors:
-            return set()
-        out: set[int] = set()
-        for spec in self._meta.loads:
-            if spec.req_id in failed:
-                for ids in spec.attn_blocks.values():
-                    out.update(ids)
-                out.update(spec.mamba_blocks.values())
-        return out
 
     def wait_for_layer_load(self, layer: str) -> None:
         if not self.layerwise:
@@ -294,13 +167,45 @@ class PoolWorker:
         meta = self._meta
         if specs is None:
             specs = meta.saves if meta is not None else []
-        if not specs:
-            return []
         g, kind = self.layer_group[layer], self.layer_kind[layer]
-        idx = layer_id(layer)
-        return [(page_key(self.ns, kind, h, self.tp_rank, idx), self.page(layer, ids[g]))
-                for spec in specs
-                for h, ids in (spec.attn if kind == ATTN else spec.mamba) if g in ids]
+        idx, draft = layer_id(layer), layer in self.layout.drafter_layers
+        out = []
+        for spec in specs:
+            if kind == STATE:
+                out += [(page_key(self.ns, STATE, h, self.tp_rank, idx), self.page(layer, ids[g]))
+                        for h, ids in spec.mamba if g in ids]
+                continue
+            for a in spec.attn:
+                if g not in a.ids:
+                    continue
+                if draft and a.token is not None:
+                    out.append((draft_page_key(self.ns, a.hash, self.tp_rank, idx, a.token),
+                                self.page(layer, a.ids[g])))
+                elif not draft and not a.draft_only:
+                    out.append((page_key(self.ns, ATTN, a.hash, self.tp_rank, idx),
+                                self.page(layer, a.ids[g])))
+        return out
+
+    def _markers(self, saves) -> tuple[list[bytes], int]:
+        """Commit markers of what this step saved completely (every layer of
+        the kind), and the number of blocks they commit."""
+        done = lambda names: all(n in self._saved_layers for n in names)  # noqa: E731
+        drafter = self.layout.drafter_layers
+        target = [n for n in self.layout.layers(ATTN) if n not in drafter]
+        attn = [a for s in saves for a in s.attn]
+        state = [b for s in saves for b in s.mamba]
+        rank, markers, blocks = self.tp_rank, [], 0
+        if attn and done(target):
+            full = [a for a in attn if not a.draft_only]
+            markers += [marker_key(self.ns, ATTN, a.hash, rank) for a in full]
+            blocks += len(full)
+        if attn and drafter and done(drafter):
+            markers += [draft_marker_key(self.ns, a.hash, rank, a.token)
+                        for a in attn if a.token is not None]
+        if state and done(self.layout.layers(STATE)):
+            markers += [marker_key(self.ns, STATE, h, rank) for h, _ in state]
+            blocks += len(state)
+        return markers, blocks
 
     def save_kv_layer(self, layer: str) -> None:
         if not self.layerwise or layer not in self.layer_group:
@@ -329,26 +234,32 @@ class PoolWorker:
                 self.saver.submit(self._save_pages(layer, saves), self.device)
             self._saved_layers = set(self.order)
         if meta.saves:
-            markers, blocks_saved = [], 0
-            for kind, blocks in ((ATTN, [b for s in saves for b in s.attn]),
-                                 (STATE, [b for s in saves for b in s.mamba])):
-                layers = [n for n in self.order if self.layer_kind[n] == kind]
-                if not blocks or not all(n in self._saved_layers for n in layers):
-                    continue  # incomplete: no marker, lookups never see it
-                markers += [marker_key(self.ns, kind, h, self.tp_rank) for h, _ in blocks]
-                blocks_saved += len(blocks)
+            # incomplete kinds get no marker: lookups never see them
+            markers, blocks_saved = self._markers(saves)
             # final-layer drain: every queued page is written with its markers
-            if self.saver.commit(markers, exclude=exclude):
-                self.stats.add(blocks_saved=blocks_saved)
+            # (now, or - deferred - before the next step's loads and saves)
+            self.saver.commit(markers, exclude=exclude, blocks=blocks_saved,
+                              wait=not self.config.defer_last_save)
+        if self._events is not None:
+            self._flush_events()
         if self.pipeline is not None:  # fold running totals in
             p, q = self.pipeline, self.saver
             now = {"bytes_loaded": p.bytes_loaded, "wait_seconds": p.wait_seconds,
                    "load_seconds": p.load_seconds, "bytes_saved": q.bytes_saved,
+                   "blocks_saved": q.blocks_saved,
                    "save_seconds": q.seconds, "saves_skipped": q.skipped,
                    "save_failures": q.failures,
                    "evictions": getattr(self.backend, "evicted_groups", 0)}
             self.stats.add(**{k: now[k] - self._reported[k] for k in now})
             self._reported = now
+
+    def _flush_events(self) -> None:
+        import json
+
+        new = self._events[self._flushed:]  # (the send thread only appends)
+        self._flushed += len(new)
+        with open(self.config.debug_event_log, "a") as f:
+            f.writelines(json.dumps(e) + "\n" for e in new)
 
     def take_stats(self):
         """Stats since the last call (vLLM polls once per step), or None."""
@@ -367,3 +278,5 @@ class PoolWorker:
             self.pipeline.close()
         if self.saver is not None:
             self.saver.close()
+            if self._events is not None:
+                self._flush_events()

@@ -22,7 +22,6 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
                  instead of one after another;
 ``cold``         reset vLLM's prefix cache before each prompt;
 ``mtp_probe``    record the MTP drafter's outputs per prompt;
-``untrimmed``    negative control: no MTP trim of external hits;
 ``legacy_block_hash`` negative control: pool block ``i`` named by
                  ``hashes[i]`` (wrong when prefix_match_unit < block);
 ``legacy_namespace`` negative control: a namespace blind to the weights;
@@ -36,16 +35,20 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
                  (the test acts in between: kills a process, restarts a
                  server); ``kill: [pid, seconds]`` SIGKILLs ``pid`` that many
                  seconds into the phase (while its requests are in flight);
+``base``         ``"cpu"`` (default): ``llm`` goes over the CPU emulation's
+                 kwargs; ``"none"``: ``llm`` alone (a GPU machine);
 ``umask``        the child's umask (e.g. 0: files as permissive as allowed);
 ``startup``      instead of prompts, ``{name: kv_connector_extra_config}``:
                  start one engine per config in this process and report each
                  start's error (None when it started).
 
 Each output: ``tokens``, ``logprobs``, ``cached`` (vLLM's
-``num_cached_tokens``: local plus external hits), ``finish``, ``error`` (a
-request that failed while the engine went on), ``drafts`` (with
-``mtp_probe``).  The result: ``out``, ``error`` (the engine failed), ``log``
-(the child's stdout and stderr).
+``num_cached_tokens``: local plus external hits), ``prompt_tokens``, ``ttft``
+(seconds from arrival to the first token), ``phase``, ``finish``, ``error``
+(a request that failed while the engine went on), ``drafts`` (with
+``mtp_probe``).  The result: ``out``, ``phase_seconds`` (wall time of each
+phase), ``error`` (the engine failed), ``log`` (the child's stdout and
+stderr).
 """
 
 from __future__ import annotations
@@ -54,9 +57,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
-__all__ = ["EngineRun", "engine_env", "kv_metrics", "run_engine", "start_engine", "toks"]
+__all__ = ["EngineRun", "engine_env", "kv_metrics", "run_engine", "served", "start_engine",
+           "toks"]
 
 
 def engine_env(patches: str = "1", **extra: str) -> dict[str, str]:
@@ -103,6 +108,14 @@ def start_engine(spec: dict[str, Any], **kw: Any) -> EngineRun:
 
 def run_engine(spec: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return EngineRun(spec, **kw).result()
+
+
+def served(res: dict[str, Any]) -> dict[str, Any]:
+    """``res`` after checking the engine ran and served every prompt (tokens,
+    no request error)."""
+    assert res["error"] is None, res["error"] + "\n" + res["log"][-3000:]
+    assert all(o["tokens"] and not o.get("error") for o in res["out"]), res["out"]
+    return res
 
 
 def toks(res: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
@@ -157,21 +170,12 @@ def _install_mtp_probe() -> list | None:
     return probe
 
 
-def _untrim() -> None:
-    from vllm_layerwise_patch.pool import scheduler
-
-    init = scheduler.PoolScheduler.__init__
-
-    def untrimmed(self, *a, **k):
-        init(self, *a, **k)
-        self.trim_blocks = 0
-
-    scheduler.PoolScheduler.__init__ = untrimmed
-
-
 def _output(o: Any, probe: list | None, max_tokens: int) -> dict[str, Any]:
     c = o.outputs[0]
+    metrics = getattr(o, "metrics", None)
     return {"tokens": list(c.token_ids), "cached": o.num_cached_tokens,
+            "prompt_tokens": len(o.prompt_token_ids or []),
+            "ttft": getattr(metrics, "first_token_latency", None),
             "finish": c.finish_reason,
             "logprobs": [round(next(iter(d.values())).logprob, 4) for d in c.logprobs or []],
             # one draft per step from the prompt's last chunk on
@@ -252,8 +256,9 @@ def _fill(path: str, size: int) -> None:
 def _llm_kwargs(spec: dict[str, Any], pool: dict[str, Any] | None) -> dict[str, Any]:
     from .cpu_v2 import cpu_v2_llm_kwargs
 
-    kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640,
-                           disable_log_stats=False)
+    kw = (cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640,
+                            disable_log_stats=False)
+          if spec.get("base", "cpu") == "cpu" else {"disable_log_stats": False})
     kw.update(spec.get("llm") or {})
     if pool is not None:
         kw["kv_transfer_config"] = {
@@ -284,8 +289,6 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("umask") is not None:
         os.umask(spec["umask"])
     probe = _install_mtp_probe() if spec.get("mtp_probe") else None
-    if spec.get("untrimmed"):
-        _untrim()
     if spec.get("legacy_block_hash"):
         _legacy_block_hash()
     if spec.get("legacy_namespace"):
@@ -306,14 +309,20 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("fill"):
         _fill(*spec["fill"])
     phases = spec.get("phases") or [{"prompts": spec["prompts"], "batch": spec.get("batch")}]
-    for phase in phases:
+    seconds = []
+    for i, phase in enumerate(phases):
         _before_phase(phase)
-        out += _serve(llm, phase, sp, spec, probe, max_tokens)
+        t0 = time.perf_counter()
+        served_now = _serve(llm, phase, sp, spec, probe, max_tokens)
+        seconds.append(time.perf_counter() - t0)
+        for o in served_now:
+            o["phase"] = i
+        out += served_now
     try:
         llm.llm_engine.do_log_stats()  # flush vLLM's stats log (KV Transfer metrics)
     except Exception:  # noqa: BLE001
         pass
-    return {"out": out, "error": None}
+    return {"out": out, "phase_seconds": seconds, "error": None}
 
 
 if __name__ == "__main__":

@@ -38,6 +38,13 @@ import pathlib
 import random
 import tempfile
 
+from .tiny_tokenizer import (
+    FIRST_ORDINARY_ID as _FIRST_ORDINARY_ID,
+    TINY_EOS_TOKEN_ID,
+    TINY_UNK_TOKEN_ID,
+    write_tokenizer,
+)
+
 __all__ = [
     "TINY_EOS_TOKEN_ID",
     "build_tiny_qwen3_next",
@@ -48,13 +55,6 @@ __all__ = [
 _FORMAT_VERSION = 1
 _MARKER = "tiny_model_marker.json"
 _MTP_SEED_OFFSET = 0x4D5450  # "MTP"
-
-#: Token ids reserved in the tiny vocabulary (also in the tokenizer).
-TINY_UNK_TOKEN_ID = 0
-TINY_EOS_TOKEN_ID = 1
-#: ``tiny_prompt`` draws from ids >= this (never a special token).
-_FIRST_ORDINARY_ID = 2
-
 
 def default_tiny_model_dir(**params) -> pathlib.Path:
     """Per-parameter cache directory under ``$VLLM_LAYERWISE_PATCH_CACHE``
@@ -237,35 +237,6 @@ def _fill(specs, gen) -> dict:
     return out
 
 
-def _write_tokenizer(path: pathlib.Path, vocab_size: int) -> None:
-    """Offline WordLevel tokenizer: ids 0 ``<unk>``, 1 ``<eos>``, then ``t2``..."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": TINY_UNK_TOKEN_ID, "<eos>": TINY_EOS_TOKEN_ID}
-    for i in range(_FIRST_ORDINARY_ID, vocab_size):
-        vocab[f"t{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins with spaces
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "unk_token": "<unk>",
-                "eos_token": "<eos>",
-                "pad_token": "<unk>",
-                "model_max_length": 1 << 20,
-                "clean_up_tokenization_spaces": False,
-            },
-            indent=2,
-        )
-    )
-    (path / "special_tokens_map.json").write_text(
-        json.dumps({"unk_token": "<unk>", "eos_token": "<eos>", "pad_token": "<unk>"}, indent=2)
-    )
-
-
 def build_tiny_qwen3_next(
     path: str | os.PathLike | None = None,
     *,
@@ -358,7 +329,7 @@ def build_tiny_qwen3_next(
         json.dumps({"eos_token_id": TINY_EOS_TOKEN_ID, "do_sample": False}, indent=2)
     )
     if tokenizer:
-        _write_tokenizer(out, vocab_size)
+        write_tokenizer(out, vocab_size)
     marker.write_text(json.dumps(params, indent=2, sort_keys=True))
     return out
 

@@ -25,6 +25,7 @@ counted as a skipped save.
 from __future__ import annotations
 
 import abc
+import collections
 import struct
 import zlib
 from collections.abc import Callable, Iterable
@@ -112,7 +113,19 @@ Consumer = Callable[[int, bytes, "bytes | memoryview | None"], None]
 
 
 class Backend(abc.ABC):
-    """Key/value store of raw bytes, safe for several processes."""
+    """Key/value store of raw bytes, safe for several processes.
+
+    ``calls`` counts the operations made (by name), for tests and metrics."""
+
+    @property
+    def calls(self) -> collections.Counter:
+        return self.__dict__.setdefault("_calls", collections.Counter())
+
+    def generation(self) -> tuple[int, int] | None:
+        """(last store, last removal) markers that change whenever any
+        process stores or removes entries, read without a backend call; None
+        where the backend cannot tell (then nothing is cached)."""
+        return None
 
     @abc.abstractmethod
     def exists_many(self, keys: Iterable[bytes]) -> list[bool]:

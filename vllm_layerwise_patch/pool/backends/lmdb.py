@@ -37,10 +37,12 @@ import threading
 import time
 from collections.abc import Iterable
 
-from ..config import PREFIX, PoolConfigError
 from ..keys import group_of
 from ..security import fix_file_modes, prepare_pool_dir
 from .base import Backend, BackendError, PoolFull
+from .gate import Gate
+from .generation import GenerationFile
+from .lmdb_files import check_space, preallocate_file
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -48,45 +50,6 @@ _T = struct.Struct(">d")  # big-endian positive doubles sort by value
 _GROUP = struct.Struct(">dQ")  # last use, bytes
 _TICK = b"\0vlp-tick"
 _PIN_SEP = b"\0"  # pins: group NUL owner -> expiry (one pin per pending load)
-
-
-class _Gate:
-    """Shared/exclusive gate: every transaction holds it shared; adopting a
-    map grown by another process needs it exclusive (LMDB's set_mapsize
-    wants no live transaction in this process)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-
-    @contextlib.contextmanager
-    def shared(self):
-        with self._cond:
-            while self._exclusive:
-                self._cond.wait()
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self):
-        with self._cond:
-            while self._exclusive:
-                self._cond.wait()
-            self._exclusive = True
-            while self._shared:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
 
 
 _SHARED: dict[tuple[int, str], LmdbBackend] = {}
@@ -103,23 +66,6 @@ def open_shared(path: str, capacity_bytes: int, **kw) -> LmdbBackend:
             backend = _SHARED[key] = LmdbBackend(path, capacity_bytes, **kw)
         backend.refs += 1
         return backend
-
-
-def check_space(path: str, capacity: int) -> None:
-    """The filesystem under ``path`` must be able to hold ``capacity`` bytes
-    (what the pool already occupies counts as available)."""
-    st = os.statvfs(path)
-    free = st.f_bavail * st.f_frsize
-    try:
-        used = os.stat(os.path.join(path, "data.mdb")).st_blocks * 512
-    except FileNotFoundError:
-        used = 0
-    if free + used < capacity:
-        raise PoolConfigError(
-            f"{PREFIX}.capacity: {capacity} bytes do not fit the filesystem of "
-            f"{path} ({free} bytes free, the pool holds {used}); lower the capacity or "
-            "point path at a larger filesystem (a container's /dev/shm is 64 MB "
-            "unless started with a larger --shm-size)")
 
 
 class LmdbBackend(Backend):
@@ -147,10 +93,12 @@ class LmdbBackend(Backend):
             self.groups = self.env.open_db(b"groups")
             self.lru = self.env.open_db(b"lru")
             self.pins = self.env.open_db(b"pins")
+            self._gen = GenerationFile(os.path.join(path, "generation"), file_mode)
             fix_file_modes(path, shared_group)
             self.env.reader_check()
             if preallocate:
-                self._preallocate(max(self.capacity, self.env.info()["map_size"]))
+                preallocate_file(os.path.join(path, "data.mdb"),
+                                 max(self.capacity, self.env.info()["map_size"]))
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
@@ -158,29 +106,12 @@ class LmdbBackend(Backend):
         if self.map_size > self.capacity:
             logger.info("vllm-layerwise-patch pool: %s was opened with a larger capacity "
                         "(%d bytes) by another engine; sharing it", path, self.map_size)
-        self._gate = _Gate()
+        self._gate = Gate()
         self._lock = threading.Lock()
         self.evictions = 0
         self.evicted_groups = 0
         self.refs = 0
         self.closed = False
-
-    def _preallocate(self, size: int) -> None:
-        """Give the data file its whole size now: writes then land in pages the
-        filesystem already has (about twice as fast on tmpfs), and a
-        filesystem filling up later cannot take them."""
-        data = os.path.join(self.path, "data.mdb")
-        if os.stat(data).st_blocks * 512 >= size:
-            return
-        fd = os.open(data, os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, size)
-            logger.info("vllm-layerwise-patch pool: %s preallocated (%d bytes)", data, size)
-        except OSError as exc:
-            logger.warning("vllm-layerwise-patch pool: could not preallocate %s (%s); the "
-                           "pool grows as it fills", data, exc)
-        finally:
-            os.close(fd)
 
     # -- transactions -------------------------------------------------------------
     @contextlib.contextmanager
@@ -213,12 +144,17 @@ class LmdbBackend(Backend):
         return False
 
     # -- reads -----------------------------------------------------------------
+    def generation(self) -> tuple[int, int]:
+        return self._gen.read()
+
     def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
+        self.calls["exists"] += 1
         with self._txn() as txn:
             cur = txn.cursor(db=self.data)
             return [cur.set_key(k) for k in keys]
 
     def get_many(self, keys: list[bytes], sizes: list[int] | None = None) -> list[bytes | None]:
+        self.calls["get"] += 1
         with self._txn() as txn:
             out = []
             for k in keys:
@@ -227,6 +163,7 @@ class LmdbBackend(Backend):
             return out
 
     def read_many(self, keys: list[bytes], consume, sizes: list[int] | None = None) -> None:
+        self.calls["read"] += 1
         # zero-copy: values are views into the map, valid inside this txn
         with self._txn() as txn:
             for i, k in enumerate(keys):
@@ -267,6 +204,7 @@ class LmdbBackend(Backend):
         return size
 
     def touch(self, groups: Iterable[bytes]) -> None:
+        self.calls["touch"] += 1
         groups = list(dict.fromkeys(groups))
         if groups:
             now = time.time()
@@ -275,6 +213,7 @@ class LmdbBackend(Backend):
                     self._use(txn, g, now)
 
     def pin(self, groups: Iterable[bytes], seconds: float, owner: bytes = b"") -> None:
+        self.calls["pin"] += 1
         groups = list(dict.fromkeys(groups))
         if not groups:
             return
@@ -286,6 +225,7 @@ class LmdbBackend(Backend):
                 self._use(txn, g, now)
 
     def unpin(self, groups: Iterable[bytes], owner: bytes = b"") -> None:
+        self.calls["unpin"] += 1
         groups = list(dict.fromkeys(groups))
         if groups:
             with self._txn(write=True) as txn:
@@ -307,24 +247,31 @@ class LmdbBackend(Backend):
         return live
 
     def delete(self, keys: Iterable[bytes]) -> None:
+        self.calls["delete"] += 1
         with self._txn(write=True) as txn:
+            tid = txn.id()
             for k in keys:
                 old = txn.get(k, db=self.data)
                 if old is not None:
                     txn.delete(k, db=self.data)
                     self._use(txn, group_of(k), time.time(), add=-(len(k) + len(old)))
+        self._gen.removed(tid)
 
     def delete_groups(self, groups: Iterable[bytes]) -> None:
+        self.calls["delete_groups"] += 1
         groups = list(dict.fromkeys(groups))
         if groups:
             with self._txn(write=True) as txn:
+                tid = txn.id()
                 for g in groups:
                     self._drop(txn, g)
+            self._gen.removed(tid)
 
     # -- writes ----------------------------------------------------------------
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         if not items:
             return
+        self.calls["put"] += 1
         import lmdb
 
         need = sum(len(k) + len(v) for k, v in items)
@@ -353,15 +300,21 @@ class LmdbBackend(Backend):
     def _write(self, items: list[tuple[bytes, bytes]]) -> None:
         now = time.time()
         added: dict[bytes, int] = {}
+        replaced = False
         with self._txn(write=True) as txn:
+            tid = txn.id()
             for k, v in items:
                 old = txn.get(k, db=self.data)
+                replaced = replaced or old is not None
                 txn.put(k, v, db=self.data)
                 g = group_of(k)
                 added[g] = added.get(g, 0) + len(k) + len(v) - (
                     0 if old is None else len(k) + len(old))
             for g, add in added.items():
                 self._use(txn, g, now, add=add, create=True)
+        self._gen.stored(tid)
+        if replaced:  # a value changed under its key: as good as removed and stored
+            self._gen.removed(tid)
 
     def _evict(self, need: int) -> int:
         """Delete the least recently used unpinned groups - chosen inside one
@@ -372,6 +325,7 @@ class LmdbBackend(Backend):
         now_t = _T.pack(time.time())
         freed = dropped = 0
         with self._txn(write=True) as txn:
+            tid = txn.id()
             victims = []
             for key, _ in txn.cursor(db=self.lru):
                 group = bytes(key[_T.size:])
@@ -386,6 +340,7 @@ class LmdbBackend(Backend):
             dropped = len(victims)
         if not dropped:
             return 0
+        self._gen.removed(tid)
         # freed pages become reusable only after a later write txn commits
         for i in range(2):
             with self._txn(write=True) as txn:
@@ -410,3 +365,4 @@ class LmdbBackend(Backend):
         if self.refs <= 0 and not self.closed:
             self.closed = True
             self.env.close()
+            self._gen.close()

@@ -41,7 +41,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import queue
 import re
 import socket
 import threading
@@ -50,58 +49,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..config import PREFIX, PoolConfigError
-from ..keys import COMMIT
+from ..logs import LogOnce
 from .base import Backend, BackendError, PoolFull
+from .mooncake_io import (MARKER, MISSING, NO_SPACE, TOO_SMALL, UNREACHABLE,
+                          BackendUnavailable, Staging, describe, host_port)
 
 logger = logging.getLogger("vllm.layerwise_patch")
-
-#: Mooncake Store error codes (mooncake-store types.h) and what they mean here
-CODES = {
-    -1: "internal error", -200: "no segment or no space (NO_AVAILABLE_HANDLE)",
-    -600: "invalid parameters or buffer too small (INVALID_PARAMS)",
-    -704: "missing object (OBJECT_NOT_FOUND)", -705: "object exists",
-    -706: "object has a read lease", -707: "lease expired during the read",
-    -800: "transfer failed (TRANSFER_FAIL: the segment holder may be gone)",
-    -900: "master unreachable (RPC_FAIL)",
-}
-MISSING, TOO_SMALL, NO_SPACE, UNREACHABLE = -704, -600, -200, -900
-_MARKER = ("/" + COMMIT).encode()
-
-
-class BackendUnavailable(BackendError):
-    """The Mooncake master cannot be reached (now, or recently)."""
-
-
-def _describe(code: int) -> str:
-    return f"{code} ({CODES.get(code, 'unknown error')})"
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)
-
-
-class _Staging:
-    """The registered staging buffer, cut into regions handed out one per
-    concurrent batch."""
-
-    def __init__(self, base: int, size: int, regions: int, keepalive: Any) -> None:
-        self.base, self.size = base, size
-        self.region_size = size // regions
-        self._keepalive = keepalive
-        self._free: queue.Queue = queue.Queue()
-        for i in range(regions):
-            self._free.put(base + i * self.region_size)
-
-    def acquire(self) -> int:
-        return self._free.get()
-
-    def release(self, ptr: int) -> None:
-        self._free.put(ptr)
-
-    def view(self, ptr: int, n: int) -> memoryview:
-        return memoryview((ctypes.c_ubyte * n).from_address(ptr)).cast("B")
-
 
 _SHARED: dict[tuple[int, str, str], MooncakeBackend] = {}
 _SHARED_LOCK = threading.Lock()
@@ -132,12 +85,12 @@ class MooncakeBackend(Backend):
         self.on_unavailable = on_unavailable
         self._conn_lock = threading.Lock()
         self._store: Any = None
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self._segment_wanted = False
         self._segment_mounted = False
         self._down_until = 0.0
         self._down = False
-        self._warned: set[str] = set()
+        self.log = LogOnce()
         self.refs = 0
         self.closed = False
         try:
@@ -151,17 +104,12 @@ class MooncakeBackend(Backend):
             self._mark_down(str(exc))
 
     # -- connection ------------------------------------------------------------
-    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            logger.warning(msg, *args)
-
     def _connect(self) -> None:
         """Set the client up (master reachable) or raise BackendUnavailable."""
         from mooncake.store import MooncakeDistributedStore
 
         cfg = self.cfg
-        host, port = _host_port(cfg.master_address)
+        host, port = host_port(cfg.master_address)
         try:
             socket.create_connection((host, port), timeout=2).close()
         except OSError as exc:
@@ -179,14 +127,14 @@ class MooncakeBackend(Backend):
             raise BackendUnavailable(
                 f"Mooncake setup against master {cfg.master_address}"
                 + (f" via client {cfg.client_address}" if cfg.client_address else "")
-                + f" returned {_describe(rc)}")
+                + f" returned {describe(rc)}")
         self._store = store
         if self._staging is None:
             self._staging = self._make_staging(store)
         if self._segment_wanted:
             self._mount()
 
-    def _make_staging(self, store: Any) -> _Staging:
+    def _make_staging(self, store: Any) -> Staging:
         size = self.cfg.local_buffer_size
         if self.cfg.client_address:
             ptr = store.alloc_from_mem_pool(size)
@@ -199,8 +147,8 @@ class MooncakeBackend(Backend):
         ctypes.memset(ptr, 0, size)  # pre-fault: first touch costs 5-20x a copy
         rc = store.register_buffer(ptr, size)
         if rc != 0:
-            raise BackendError(f"Mooncake register_buffer returned {_describe(rc)}")
-        return _Staging(ptr, size, self.REGIONS, keep)
+            raise BackendError(f"Mooncake register_buffer returned {describe(rc)}")
+        return Staging(ptr, size, self.REGIONS, keep)
 
     def _mount(self) -> None:
         size = self.cfg.global_segment_size
@@ -221,7 +169,7 @@ class MooncakeBackend(Backend):
     def _mark_down(self, why: str) -> None:
         self._down = True
         self._down_until = time.monotonic() + self.cfg.reconnect_seconds
-        self._warn_once("down", "vllm-layerwise-patch pool: %s; the pool serves no hits and "
+        self.log.warning("down", "vllm-layerwise-patch pool: %s; the pool serves no hits and "
                         "saves nothing until it answers (retrying every %.0f s)", why,
                         self.cfg.reconnect_seconds)
 
@@ -244,7 +192,7 @@ class MooncakeBackend(Backend):
                 raise exc from None
             if self._down:
                 self._down = False
-                self._warned.discard("down")
+                self.log.forget("down")
                 logger.warning("vllm-layerwise-patch pool: Mooncake master at %s answers "
                                "again; the pool is back", self.cfg.master_address)
         return self._store
@@ -253,13 +201,13 @@ class MooncakeBackend(Backend):
         """Master unreachable anywhere in a batch: mark down and raise."""
         if any(c == UNREACHABLE for c in codes):
             self._mark_down(f"Mooncake {op}: master at {self.cfg.master_address} "
-                            f"unreachable ({_describe(UNREACHABLE)})")
+                            f"unreachable ({describe(UNREACHABLE)})")
             raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} is "
                                      "unreachable")
 
     def _log_code(self, code: int, op: str, key: bytes) -> None:
-        self._warn_once(f"code{code}", "vllm-layerwise-patch pool: Mooncake %s of %r: %s "
-                        "(further %d codes are not logged)", op, key, _describe(code), code)
+        self.log.warning(f"code{code}", "vllm-layerwise-patch pool: Mooncake %s of %r: %s "
+                        "(further %d codes are not logged)", op, key, describe(code), code)
 
     # -- reads -----------------------------------------------------------------
     def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
@@ -358,8 +306,8 @@ class MooncakeBackend(Backend):
                 if bad:
                     key, rc = bad[0]
                     if rc == NO_SPACE:
-                        raise PoolFull(f"Mooncake put of {key!r}: {_describe(rc)}")
-                    raise BackendError(f"Mooncake put of {key!r}: {_describe(rc)}")
+                        raise PoolFull(f"Mooncake put of {key!r}: {describe(rc)}")
+                    raise BackendError(f"Mooncake put of {key!r}: {describe(rc)}")
                 i = j
         finally:
             staging.release(region)
@@ -369,8 +317,8 @@ class MooncakeBackend(Backend):
         if not items:
             return
         store = self._ready()
-        pages = [(k, v) for k, v in items if not k.endswith(_MARKER)]
-        markers = [(k, v) for k, v in items if k.endswith(_MARKER)]
+        pages = [(k, v) for k, v in items if not k.endswith(MARKER)]
+        markers = [(k, v) for k, v in items if k.endswith(MARKER)]
         self._upsert(store, pages)
         self._upsert(store, markers)
 

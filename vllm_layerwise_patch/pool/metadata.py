@@ -1,0 +1,66 @@
+"""What the scheduler side tells the workers each step (the connector
+metadata): the loads and saves it planned, and whether a failed load may be
+reported to vLLM; and the names both sides give a load's pins."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .keys import ATTN, STATE, group_key
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    req_id: str
+    start: int  # first block to load (the block-aligned local hit)
+    end: int  # blocks [start, end) are loaded; the state at end-1
+    hashes: list[bytes]  # pool block hashes of [start, end)
+    attn_blocks: dict[int, list[int]]  # attention group -> block ids of [start, end)
+    mamba_blocks: dict[int, int]  # state group -> block id of column end-1
+    running_blocks: dict[int, int]  # state group -> block id of this step's running column
+    # the token after each block of [start, end): its drafter pages' key (MTP/EAGLE)
+    next_tokens: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class AttnSave:
+    """One block's attention pages to store: target layers (unless
+    ``draft_only``: they are in the pool already) and, when ``token`` is
+    known, the drafter's pages keyed by it."""
+    hash: bytes
+    ids: dict[int, int]  # attention group -> block id
+    token: int | str | None = None
+    draft_only: bool = False
+
+
+@dataclasses.dataclass
+class SaveSpec:
+    req_id: str
+    attn: list[AttnSave]
+    mamba: list[tuple[bytes, dict[int, int]]]  # (block hash, state group -> block id)
+
+
+class PoolMetadata(KVConnectorMetadata):
+    def __init__(self, loads: list[LoadSpec], saves: list[SaveSpec],
+                 report_load_errors: bool = False) -> None:
+        self.loads = loads
+        self.saves = saves
+        # the scheduler can take block load errors for this layout: a failed
+        # load is reported (the request recomputes) instead of raised
+        self.report_load_errors = report_load_errors
+
+
+def owner_of(req_id: str) -> bytes:
+    """Pin owner of a request's pending load."""
+    return req_id.encode()
+
+
+def load_groups(ns: bytes, hashes: list[bytes], tp_ranks: range | list[int],
+                has_state: bool) -> list[bytes]:
+    """Every group a load of ``hashes`` (state at the last one) reads."""
+    out = [group_key(ns, ATTN, h, tp) for h in hashes for tp in tp_ranks]
+    if has_state and hashes:
+        out += [group_key(ns, STATE, hashes[-1], tp) for tp in tp_ranks]
+    return out

@@ -1,0 +1,198 @@
+"""The save path's send thread: ``save_kv_layer`` enqueues a layer's pages with
+an event recorded on the compute stream; the send thread waits for the event
+and packs each page (header, checksum, one copy into reused host memory)
+while later layers compute; :meth:`SaveQueue.commit` (once per step) waits
+for the queue to drain and writes the pages and their commit markers in one
+backend call (one transaction on LMDB).  Needs only torch and a backend."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from .backends.base import HEADER_SIZE, Backend, PoolFull, header, pack
+from .logs import LogOnce
+
+
+class PackArena:
+    """Host memory the send thread packs values into: each value is its
+    header followed by one copy of the page (device -> host on a GPU), the
+    checksum read from that copy in place.  Chunks are allocated once,
+    pre-faulted (first touch costs 5-20x a copy) and pinned when CUDA is
+    there, and reused every step; values are views, valid until
+    :meth:`reset` (after the step's write)."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self, namespace: bytes) -> None:
+        self.ns = namespace
+        self._chunks: list[torch.Tensor] = []
+        self._chunk = 0
+        self._off = 0
+
+    def _new_chunk(self, size: int) -> torch.Tensor:
+        pin = torch.cuda.is_available()
+        t = torch.empty(max(size, self.CHUNK), dtype=torch.uint8, pin_memory=pin)
+        t.zero_()  # pre-fault
+        return t
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        while True:
+            if self._chunk == len(self._chunks):
+                self._chunks.append(self._new_chunk(n))
+            buf = self._chunks[self._chunk]
+            if self._off + n <= buf.numel():
+                view = buf[self._off:self._off + n]
+                self._off += (n + 63) & ~63  # keep payloads cache-line aligned
+                return view
+            if self._off == 0:  # a value larger than a chunk: give it its own
+                self._chunks[self._chunk] = self._new_chunk(n)
+                continue
+            self._chunk, self._off = self._chunk + 1, 0
+
+    def pack(self, page: torch.Tensor) -> memoryview:
+        n = page.numel()
+        value = self._alloc(HEADER_SIZE + n)
+        value[HEADER_SIZE:].copy_(page.reshape(-1).view(torch.uint8))
+        host = value.numpy()
+        host[:HEADER_SIZE] = memoryview(header(self.ns, host[HEADER_SIZE:]))
+        return memoryview(host)
+
+    def reset(self) -> None:
+        self._chunk, self._off = 0, 0
+
+
+def _record_event(device: torch.device | None):
+    if device is not None and device.type == "cuda":
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+    return None
+
+
+class SaveQueue:
+    """The send thread of the save path (see module doc).  Save failures are
+    logged once and counted, never raised into the forward: a missed save
+    only costs a future hit.  A pool with no room (pinned entries fill it, or
+    its filesystem is full) skips the save: counted in ``skipped``, logged
+    once.
+
+    ``commit(..., wait=False)`` leaves the step's write to the send thread
+    (the deferred final-layer drain): it runs as soon as the queue reaches
+    it, whether or not another step comes, and :meth:`drain` waits for it.
+    The queue is first in, first out, so a step's write always completes
+    before the next step's pages are packed.  ``events`` (when a list) logs
+    ``(what, step)`` in the order things happened (tests)."""
+
+    def __init__(self, backend: Backend, namespace: bytes,
+                 events: list | None = None) -> None:
+        self.backend = backend
+        self.ns = namespace
+        self._q: queue.Queue = queue.Queue()
+        self._items: list[tuple[bytes, memoryview]] = []
+        self._arena = PackArena(namespace)
+        self._pending: list[threading.Event] = []
+        self._step = 0
+        self.events = events
+        self.bytes_saved = 0
+        self.blocks_saved = 0
+        self.seconds = 0.0
+        self.failures = 0
+        self.skipped = 0
+        self.log = LogOnce()
+        self._thread = threading.Thread(target=self._run, name="vlp-send", daemon=True)
+        self._thread.start()
+
+    def _event(self, what: str, step: int) -> None:
+        if self.events is not None:
+            self.events.append((what, step))
+
+    def submit(self, pages: list[tuple[bytes, torch.Tensor]], device=None) -> None:
+        if pages:
+            self._q.put(("pages", _record_event(device), (self._step, pages)))
+
+    def commit(self, markers: list[bytes], exclude: frozenset[bytes] | set[bytes] = frozenset(),
+               blocks: int = 0, wait: bool = True) -> bool | None:
+        """After every queued page: write pages + ``markers`` (empty values)
+        in one backend call, leaving out pages whose key is in ``exclude``;
+        ``blocks`` is what the markers commit (counted in ``blocks_saved``).
+        With ``wait``: returns False when the write failed; else returns at
+        once (see the class doc)."""
+        done: list = []
+        ev = threading.Event()
+        self._q.put(("commit", (markers, exclude, blocks, self._step), (done, ev)))
+        self._step += 1
+        if not wait:
+            self._pending.append(ev)
+            return None
+        ev.wait()
+        return bool(done and done[0])
+
+    def drain(self) -> None:
+        """Wait for every deferred write."""
+        while self._pending:
+            self._pending.pop(0).wait()
+
+    def close(self) -> None:
+        self._q.put(("stop", None, None))
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                kind, a, b = self._q.get()
+                if kind == "stop":
+                    return
+                if kind == "pages":
+                    step, pages = b
+                    self._event("pack", step)
+                    t0 = time.perf_counter()
+                    try:
+                        if a is not None:
+                            a.synchronize()
+                        for key, page in pages:
+                            self._items.append((key, self._arena.pack(page)))
+                    except Exception as exc:  # keep the thread alive
+                        self._fail(exc)
+                    self.seconds += time.perf_counter() - t0
+                    continue
+                self._write(a, b)
+
+    def _write(self, what, how) -> None:
+        done, ev = how
+        markers, exclude, blocks, step = what
+        self._event("write-start", step)
+        t0 = time.perf_counter()
+        ok = False
+        try:
+            if exclude:
+                self._items = [(k, v) for k, v in self._items if k not in exclude]
+            if self._items or markers:
+                items = self._items + [(m, pack(self.ns, b"")) for m in markers]
+                self.backend.put_many(items)
+                self.bytes_saved += sum(len(v) for _, v in self._items)
+            self.blocks_saved += blocks
+            ok = True
+        except PoolFull as exc:
+            self.skipped += 1
+            self.log.warning("full", "vllm-layerwise-patch pool: no room for this step's saves "
+                             "(%s); they are skipped, outputs are unaffected (further skips "
+                             "are counted as 'Saves skipped', not logged)", exc)
+        except Exception as exc:
+            self._fail(exc)
+        finally:
+            self._items = []
+            self._arena.reset()
+            self.seconds += time.perf_counter() - t0
+            self._event("write-end", step)
+            done.append(ok)
+            ev.set()
+
+    def _fail(self, exc: Exception) -> None:
+        self.failures += 1
+        self.log.warning("fail", "vllm-layerwise-patch pool: a save failed (%s: %s); those "
+                         "blocks are not stored (further failures are counted, not logged)",
+                         type(exc).__name__, exc)

@@ -1,0 +1,21 @@
+"""What both sides of the connector (scheduler and worker) hold: the backend,
+the namespace, the settings, the shared layout, and a log that says each
+kind of trouble once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .layout import PoolLayout
+from .logs import LogOnce
+
+
+class PoolSide:
+    def __init__(self, *, layout: PoolLayout, backend: Any, namespace: bytes,
+                 config: Any) -> None:
+        self.backend = backend
+        self.ns = namespace
+        self.config = config
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.log = LogOnce()
