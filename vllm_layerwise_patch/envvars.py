@@ -17,6 +17,9 @@ import os
 ENV = "VLLM_LAYERWISE_PATCH"
 FORCE_ENV = "VLLM_LAYERWISE_PATCH_FORCE"
 CPU_V2_ENV = "VLLM_LAYERWISE_PATCH_CPU_V2"
+#: With ``CPU_V2_ENV``: vLLM's mamba pre-copy kernel runs as torch, not in the
+#: Triton interpreter (``testing.torch_precopy``; CPU benchmarks and tests).
+CPU_TORCH_PRECOPY_ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY"
 REPORT_DIR_ENV = "VLLM_LAYERWISE_PATCH_REPORT_DIR"
 
 TRUE_VALUES = ("1", "true", "yes", "on")

@@ -33,6 +33,16 @@ distribution under the name ``vllm`` and the version ``<version>+cpu`` (vLLM's
 platform detection looks for "cpu" in it); a real ``vllm`` distribution, if
 any, is found first.
 
+Under the interpreter, timings of Triton-heavy paths measure the interpreter,
+not the design (DESIGN.md §8): one interpreted launch of vLLM's mamba align
+pre-copy kernel costs ~0.2-0.3 s when it copies, and the overlay's layerwise
+path launches it once per GDN layer per step where stock vLLM launches it
+once. ``VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY=1`` (with
+``VLLM_LAYERWISE_PATCH_CPU_V2=1``) makes the bootstrap replace that kernel, in
+every process, with :mod:`.torch_precopy`: torch on CPU tensors, byte-identical
+to the interpreted kernel (``tests/test_torch_precopy.py``), ~0.4 ms a launch.
+Off by default: tests then exercise vLLM's own kernel.
+
 This module imports only ``os`` and ``sys`` at import time; Triton is imported
 when the shim is installed. It never imports vLLM or torch.
 """
