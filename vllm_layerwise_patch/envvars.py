@@ -110,6 +110,9 @@ def markdown_table() -> str:
         (CPU_V2_ENV, f"{_spell(TRUE_VALUES)} (unset / {_spell(FALSE_VALUES)}: off)",
          "install the CPU Model Runner V2 emulation in every process (tests and the demo "
          "only; see below)"),
+        (CPU_TORCH_PRECOPY_ENV, f"{_spell(TRUE_VALUES)} (unset: off)",
+         f"with `{CPU_V2_ENV}`: vLLM's mamba pre-copy kernel runs as a byte-identical torch "
+         "copy instead of in the Triton interpreter (CPU benchmarks)"),
     ]
     lines = ["| variable | values | meaning |", "|---|---|---|"]
     lines += [f"| {f'`{name}`' if name else ''} | {values} | {meaning} |"
