@@ -230,6 +230,22 @@ def _run_interpreted(body: str, timeout: float = 400) -> dict:
 
 
 @pytest.mark.parametrize("dim_first", [False, True], ids=["SD", "DS"])
+
+def check_random_cases(res: dict, dim_first: bool, seeds: int = SEEDS) -> None:
+    """A random-case comparison's result: no difference, most cases moved
+    bytes, and every path of the kernel was exercised (shared with
+    test_torch_precopy.py)."""
+    assert res["diffs"] == [], res["diffs"]
+    assert res["total"] == seeds * 4
+    assert res["unchanged"] < res["total"] // 3, res
+    kind = "ds" if dim_first else "sd"
+    needed = {kind, f"{kind}_bias", f"{kind}_shift_same_block", "temporal",
+              "temporal_bias", "temporal_u64_path", "temporal_u8_path",
+              "elem1", "elem2", "elem4", "elem8", "multi_group",
+              "exit_idx_neg", "exit_src_neg", "exit_src_eq_dst"}
+    missing = needed - {k for k, v in res["cov"].items() if v > 0}
+    assert not missing, (missing, res["cov"])
+
 def test_byte_identical_to_upstream(dim_first):
     res = _run_interpreted(f"""
         import time
@@ -267,16 +283,7 @@ def test_byte_identical_to_upstream(dim_first):
               total=total, cov=cov, ref_checked=ref_checked,
               seconds=time.time() - t0)))
     """)
-    assert res["diffs"] == [], res["diffs"]
-    assert res["total"] == SEEDS * 4
-    assert res["unchanged"] < res["total"] // 3, res
-    kind = "ds" if dim_first else "sd"
-    needed = {kind, f"{kind}_bias", f"{kind}_shift_same_block", "temporal",
-              "temporal_bias", "temporal_u64_path", "temporal_u8_path",
-              "elem1", "elem2", "elem4", "elem8", "multi_group",
-              "exit_idx_neg", "exit_src_neg", "exit_src_eq_dst"}
-    missing = needed - {k for k, v in res["cov"].items() if v > 0}
-    assert not missing, (missing, res["cov"])
+    check_random_cases(res, dim_first)
     assert res["ref_checked"] > 0
 
 

@@ -29,7 +29,7 @@ def boot() -> None:
 
             install_cpu_v2_shim()
             if flag(CPU_TORCH_PRECOPY_ENV):
-                from .testing.torch_precopy import install_on_import
+                from .testing.torch_precopy_install import install_on_import
 
                 install_on_import()
         elif flag(CPU_TORCH_PRECOPY_ENV):

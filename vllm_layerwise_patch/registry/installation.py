@@ -73,6 +73,18 @@ def own_attribute(parent: Any, attr: str) -> Any:
     return vars(parent).get(attr) if hasattr(parent, "__dict__") else None
 
 
+def globals_holding(obj: Any, besides: Any = None) -> list[tuple[Any, str]]:
+    """``(module, name)`` of every loaded module's global that is ``obj``
+    itself (a ``from ... import`` copy), leaving out module ``besides``."""
+    found = []
+    for mod_name, module in list(sys.modules.items()):
+        ns = getattr(module, "__dict__", None)
+        if not ns or module is besides or ns.get("__name__") != mod_name:
+            continue
+        found += [(module, name) for name, value in list(ns.items()) if value is obj]
+    return found
+
+
 def installed_by(patch: Patch) -> bool:
     """True when one of ``patch``'s targets already holds its own object
     (another registry instance, or a reload, installed it)."""
@@ -133,14 +145,8 @@ class Installer:
         that holds the same kernel object (a ``from ... import`` copy), by
         identity; all recorded for revert."""
         parent, attr = resolve_parent(target)
-        original = getattr(parent, attr)
-        for mod_name, module in list(sys.modules.items()):
-            ns = getattr(module, "__dict__", None)
-            if not ns or module is parent or ns.get("__name__") != mod_name:
-                continue
-            for name, value in list(ns.items()):
-                if value is original:
-                    self._set(module, name, new)
+        for module, name in globals_holding(getattr(parent, attr), besides=parent):
+            self._set(module, name, new)
         self._set(parent, attr, new)
 
     def add(self, owner: Target, attr: str, obj: Any) -> None:

@@ -29,7 +29,6 @@ smaller than ``capacity`` is refused at startup.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import struct
@@ -38,11 +37,9 @@ import time
 from collections.abc import Iterable
 
 from ..keys import group_of
-from ..security import fix_file_modes, prepare_pool_dir
 from .base import Backend, BackendError, PoolFull
 from .gate import Gate
-from .generation import GenerationFile
-from .lmdb_files import check_space, preallocate_file
+from .lmdb_files import open_environment
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -72,36 +69,15 @@ class LmdbBackend(Backend):
     def __init__(self, path: str, capacity_bytes: int, *, evict_fraction: float = 0.1,
                  pin_seconds: float = 30.0, shared_group: str | None = None,
                  preallocate: bool = True) -> None:
-        import lmdb
-
         self.path = path
         self.capacity = int(capacity_bytes)
         self.evict_fraction = evict_fraction
         self.pin_seconds = pin_seconds
-        file_mode = prepare_pool_dir(path, shared_group)  # before anything is read
-        check_space(path, self.capacity)
-        # Processes starting together (engine core and workers) must not
-        # race to create the environment and its named databases.
-        lock_path = os.path.join(path, ".open.lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, file_mode)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            self.env = lmdb.open(path, map_size=self.capacity, max_dbs=4, subdir=True,
-                                 lock=True, sync=False, metasync=False, readahead=False,
-                                 max_readers=256, mode=file_mode)
-            self.data = self.env.open_db(b"data")
-            self.groups = self.env.open_db(b"groups")
-            self.lru = self.env.open_db(b"lru")
-            self.pins = self.env.open_db(b"pins")
-            self._gen = GenerationFile(os.path.join(path, "generation"), file_mode)
-            fix_file_modes(path, shared_group)
-            self.env.reader_check()
-            if preallocate:
-                preallocate_file(os.path.join(path, "data.mdb"),
-                                 max(self.capacity, self.env.info()["map_size"]))
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        self.env, self._gen = open_environment(path, self.capacity, shared_group, preallocate)
+        self.data = self.env.open_db(b"data")
+        self.groups = self.env.open_db(b"groups")
+        self.lru = self.env.open_db(b"lru")
+        self.pins = self.env.open_db(b"pins")
         self.map_size = self.env.info()["map_size"]
         if self.map_size > self.capacity:
             logger.info("vllm-layerwise-patch pool: %s was opened with a larger capacity "
