@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter))
     _passthrough(sub, "demo", "the CPU demo: tiny hybrid model, real vLLM V2 run "
                  "([--model-dir D] [--backend lmdb|mooncake]; see its --help)")
+    _passthrough(sub, "bench", "time to first token with the pool vs vLLM's own prefix "
+                 "cache, side by side: JSON, Markdown, plots (see its --help)")
     _passthrough(sub, "mooncake-local", "a Mooncake Store master (and segment holder) on "
                  "loopback, for the mooncake backend (start|stop|status; see its --help)")
     sub.add_parser("sitecustomize-dir", help="print the directory to put on PYTHONPATH for "
@@ -66,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run
 
         return run(ns.args)
+    if ns.command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(ns.args)
     if ns.command == "mooncake-local":
         from .mooncake_local import main as mooncake_main
 

@@ -51,6 +51,7 @@ class PoolStats(KVConnectorStats):
             "Load time (ms)": round(d["load_seconds"] * 1e3, 2),
             "Forward wait on loads (ms)": round(d["wait_seconds"] * 1e3, 2),
             "Saved (GB)": round(d["bytes_saved"] / gb, 4),
+            "Save time (ms)": round(d["save_seconds"] * 1e3, 2),
             "Save throughput (GB/s)": round(d["bytes_saved"] / gb / d["save_seconds"], 3)
             if d["save_seconds"] else 0.0,
             "Blocks saved": int(d["blocks_saved"]),

@@ -13,7 +13,8 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
                  that prefix);
 ``pool``         ``kv_connector_extra_config`` of the LayerwisePoolConnector,
                  or None for no connector; ``policy``: its
-                 ``kv_load_failure_policy``;
+                 ``kv_load_failure_policy``; ``role``: its ``kv_role``
+                 (``kv_both``);
 ``llm``          extra ``vllm.LLM`` keyword arguments (over
                  ``cpu_v2_llm_kwargs(enable_prefix_caching=True,
                  max_num_batched_tokens=640, disable_log_stats=False)``);
@@ -44,7 +45,7 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 
 Each output: ``tokens``, ``logprobs``, ``cached`` (vLLM's
 ``num_cached_tokens``: local plus external hits), ``prompt_tokens``, ``ttft``
-(seconds from arrival to the first token), ``phase``, ``finish``, ``error``
+(seconds from arrival to the first token), ``tpot`` (seconds per later token), ``phase``, ``finish``, ``error``
 (a request that failed while the engine went on), ``drafts`` (with
 ``mtp_probe``).  The result: ``out``, ``phase_seconds`` (wall time of each
 phase), ``error`` (the engine failed), ``log`` (the child's stdout and
@@ -176,6 +177,10 @@ def _output(o: Any, probe: list | None, max_tokens: int) -> dict[str, Any]:
     return {"tokens": list(c.token_ids), "cached": o.num_cached_tokens,
             "prompt_tokens": len(o.prompt_token_ids or []),
             "ttft": getattr(metrics, "first_token_latency", None),
+            # mean time per output token after the first (the per-step cost)
+            "tpot": ((metrics.last_token_ts - metrics.first_token_ts) / (len(c.token_ids) - 1)
+                     if metrics is not None and len(c.token_ids) > 1
+                     and getattr(metrics, "last_token_ts", 0) else None),
             "finish": c.finish_reason,
             "logprobs": [round(next(iter(d.values())).logprob, 4) for d in c.logprobs or []],
             # one draft per step from the prompt's last chunk on
@@ -263,7 +268,8 @@ def _llm_kwargs(spec: dict[str, Any], pool: dict[str, Any] | None) -> dict[str, 
     if pool is not None:
         kw["kv_transfer_config"] = {
             "kv_connector": "LayerwisePoolConnector",
-            "kv_connector_module_path": "vllm_layerwise_patch.pool", "kv_role": "kv_both",
+            "kv_connector_module_path": "vllm_layerwise_patch.pool",
+            "kv_role": spec.get("role", "kv_both"),
             "kv_connector_extra_config": pool}
         if spec.get("policy"):
             kw["kv_transfer_config"]["kv_load_failure_policy"] = spec["policy"]

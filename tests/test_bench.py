@@ -1,0 +1,93 @@
+"""The bench command's arithmetic and arguments (no engines: the numbers it
+reports come from real runs, committed under benchmarks/results/bench/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_layerwise_patch.bench.report import breakdown, markdown, ratios
+from vllm_layerwise_patch.bench.workload import Workload
+
+
+def _r(avg, p50=None, wait=0.0, requests=4):
+    return {"requests": requests, "prompt_tokens": 400,
+            "ttft_s": {"avg": avg, "p50": p50 or avg, "p90": avg, "p99": avg},
+            "hit_rate": {"hbm": 0.0, "external": 0.5}, "input_tokens_per_s": 100.0,
+            "load": {"GB": 1.0, "seconds": 2.0, "GB_per_s": 0.5, "exposed_wait_fraction": 0.1},
+            "forward_wait_s": wait, "save": {"GB": 1.0, "seconds": 4.0},
+            "tokens_equal_hbm": True}
+
+
+RESULTS = {
+    "default": {"hbm": _r(1.0), "pool-layerwise": _r(1.6, wait=0.4),
+                "pool-layerwise-nosave": _r(1.3), "pool-bulk": _r(2.0),
+                "no-prefix-cache": _r(3.2)},
+    "default+torch-precopy": {"hbm": _r(0.9), "pool-layerwise": _r(1.1)},
+}
+
+
+def test_ratios_divide_the_right_configurations():
+    r = ratios(RESULTS)["default"]
+    assert r["layerwise_vs_hbm"] == 1.6
+    assert r["layerwise_vs_no_prefix_cache"] == 0.5
+    assert r["layerwise_vs_bulk"] == 0.8
+    assert r["layerwise_vs_bulk_with_latency"] is None  # not run
+
+
+def test_breakdown_parts_add_up_to_the_gap():
+    b = breakdown(RESULTS)["default"]
+    assert b["gap"] == pytest.approx(0.6)
+    assert b["saves"] == pytest.approx(0.3)  # layerwise minus its kv_consumer twin
+    assert b["exposed_load_wait"] == pytest.approx(0.1)  # 0.4 s over 4 requests
+    assert b["interpreted_precopy"] == pytest.approx(0.6 - 0.2)  # gap minus torch's gap
+    assert b["rest"] == pytest.approx(0.6 - 0.3 - 0.1 - 0.4)
+    # a scenario without the torch twin has no pre-copy part
+    assert breakdown(RESULTS)["default+torch-precopy"]["interpreted_precopy"] is None
+
+
+def test_summary_names_every_configuration_and_reports_errors():
+    doc = {"workload": Workload().__dict__, "model": {"description": "m", "note": ""},
+           "machine": "x", "results": {**RESULTS, "restart": {"hbm": {"error": "boom"}}},
+           "ratios": ratios(RESULTS), "breakdown": breakdown(RESULTS), "notes": []}
+    doc["ratios"]["restart"] = {}
+    text = markdown(doc)
+    for name in ("pool-layerwise-nosave", "pool-bulk", "no-prefix-cache"):
+        assert f"| {name} |" in text
+    assert "error: boom" in text
+    assert "layerwise vs hbm 1.600" in text
+
+
+def test_workload_trace_repeats_prefixes_with_unique_suffixes():
+    w = Workload(requests=6, input_len=100, repeat_rate=0.9, prefixes=2)
+    t = w.trace()
+    assert [p["prefix"] for p in t[:2]] != [t[0]["prefix"]] * 2
+    assert t[0]["prefix"] == t[2]["prefix"] == t[4]["prefix"]
+    assert len({tuple(p["suffix"]) for p in t}) == 6
+    assert all(p["prefix"][0] + p["suffix"][0] == 100 for p in t)
+
+
+def test_unknown_configuration_and_scenario_are_refused():
+    from vllm_layerwise_patch.bench import main
+    from vllm_layerwise_patch.bench.runs import configs
+
+    with pytest.raises(SystemExit, match="unknown config"):
+        configs(0.0, ["pool-layerwise", "pool-fast"])
+    assert [c.name for c in configs(5.0, ["pool-bulk+latency"])] == ["pool-bulk+latency"]
+    with pytest.raises(SystemExit, match="unknown scenario"):
+        main(["--scenarios", "default,nope"])
+
+
+def test_server_client_uses_the_prefix_repetition_dataset(tmp_path):
+    from vllm_layerwise_patch.bench.server import client_args
+
+    w = Workload(requests=8, input_len=1000, repeat_rate=0.9, prefixes=2, output_len=3)
+    a = client_args("http://127.0.0.1:1", "/m", w, tmp_path / "r.json")
+
+    def arg(flag):
+        return a[a.index(flag) + 1]
+
+    assert arg("--dataset-name") == "prefix_repetition"
+    assert (arg("--prefix-repetition-prefix-len"), arg("--prefix-repetition-suffix-len")) == (
+        "900", "100")
+    assert arg("--num-prompts") == "8" and arg("--max-concurrency") == "4"
+    assert arg("--result-filename") == "r.json"

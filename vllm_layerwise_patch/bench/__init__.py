@@ -1,0 +1,173 @@
+"""``python -m vllm_layerwise_patch bench``: time to first token with the pool,
+side by side with vLLM's own prefix cache, on a workload modelled on the
+reference prefix-cache benchmark (:mod:`.workload`), in the configurations of
+:mod:`.runs`; writes JSON, a Markdown summary and PNG plots (:mod:`.report`).
+
+On a CPU-only machine it builds a tiny hybrid Qwen3-Next large enough that
+prefill compute dominates the emulation's per-step overhead (``--model
+tiny``, the default there) and runs Model Runner V2 under the CPU emulation;
+on a GPU machine pass ``--model PATH`` (and ``--gpu``).  ``--server`` drives
+``vllm serve`` with vLLM's own client instead (:mod:`.server`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+from typing import Any
+
+NOTES_CPU = [
+    "On CPU, Model Runner V2 runs under the Triton interpreter: every kernel "
+    "launch costs tens of milliseconds, and the layerwise path launches the "
+    "mamba pre-copy once per GDN layer where vLLM launches it once per step. "
+    "Read the ratios, not the seconds, and compare runs with and without "
+    "`VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY=1` (an equivalent torch copy).",
+    "Two cores serve the engine and the pool's load threads: loads compete "
+    "with compute here; on a GPU machine they overlap it (see "
+    "`benchmarks/bench_gpu_pipeline.py` for the exposed transfer time).",
+    "Every TTFT counts from the request's arrival: all requests arrive at once "
+    "and at most `concurrency` run together, so later ones include queueing.",
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m vllm_layerwise_patch bench",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny",
+                    help="'tiny' (built here, CPU) or a model path (GPU)")
+    ap.add_argument("--gpu", action="store_true", help="real vLLM on a GPU (no emulation)")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=3200)
+    ap.add_argument("--output-len", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--repeat-rate", type=float, default=0.9)
+    ap.add_argument("--prefixes", type=int, default=4)
+    ap.add_argument("--scenarios", default="default,working-set,restart")
+    ap.add_argument("--latency-ms", type=float, default=0.0,
+                    help="also run the pool configurations with this much added to "
+                         "every layer's load (a slow backend)")
+    ap.add_argument("--configs", default="",
+                    help="comma-separated configurations (default: all; see bench.runs)")
+    ap.add_argument("--cpu-precopy", choices=("triton", "torch", "both"), default="both",
+                    help="CPU: vLLM's mamba pre-copy in the Triton interpreter, as the "
+                         "byte-identical torch copy, or both side by side")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=8, help="tiny model: layers")
+    ap.add_argument("--hidden", type=int, default=256, help="tiny model: hidden size")
+    ap.add_argument("--no-transfer", action="store_true",
+                    help="skip the transfer-path measurement (LMDB vs memcpy)")
+    ap.add_argument("--server", action="store_true",
+                    help="drive vllm serve with vLLM's own client (vllm bench serve)")
+    ap.add_argument("--out", default="bench-results", help="output directory")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    from .workload import SCENARIOS, Workload
+
+    workload = Workload(requests=ns.requests, input_len=ns.input_len,
+                        output_len=ns.output_len, concurrency=ns.concurrency,
+                        repeat_rate=ns.repeat_rate, prefixes=ns.prefixes)
+    scenarios = [s for s in ns.scenarios.split(",") if s]
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        raise SystemExit(f"bench: unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    os.makedirs(ns.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="vlp-bench-")
+    try:
+        model, description = _model(ns, work)
+        if ns.server:
+            from .server import run_server
+
+            only = [c for c in ns.configs.split(",") if c] or None
+            doc = run_server(model, workload, work, cpu=not ns.gpu, configs=only)
+        else:
+            doc = _run_engines(ns, model, workload, scenarios, work)
+        doc["model"] = {"path": model, "description": description,
+                        "note": "" if ns.gpu else _size_note(doc, workload)}
+        doc["machine"] = f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
+        _write(doc, ns.out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _size_note(doc: dict[str, Any], workload: Any) -> str:
+    """How the CPU model's prefill compares with the emulation's per-step cost,
+    from the no-prefix-cache run: a prompt's prefill (input throughput) over a
+    decode step (mostly fixed cost: kernel launches, scheduling)."""
+    for by_config in (doc.get("results") or {}).values():
+        r = by_config.get("no-prefix-cache") or {}
+        if r.get("input_tokens_per_s") and r.get("decode_step_s"):
+            prefill = workload.input_len / r["input_tokens_per_s"]
+            return (f"Model size: one {workload.input_len}-token prefill takes "
+                    f"{prefill:.2f} s of compute (no prefix cache, measured), a decode step "
+                    f"(mostly the emulation's fixed per-step cost) {r['decode_step_s']:.3f} s: "
+                    f"prefill is {prefill / r['decode_step_s']:.0f}x the fixed cost.")
+    return ""
+
+
+def _model(ns: argparse.Namespace, work: str) -> tuple[str, str]:
+    if ns.model != "tiny":
+        return ns.model, ns.model
+    from ..testing.tiny_model import build_tiny_qwen3_next
+
+    path = build_tiny_qwen3_next(os.path.join(work, "model"), num_layers=ns.layers,
+                                 num_full_attention_layers=max(1, ns.layers // 4),
+                                 hidden_size=ns.hidden)
+    return str(path), (f"tiny hybrid Qwen3-Next, {ns.layers} layers "
+                       f"({ns.layers - max(1, ns.layers // 4)} GDN), hidden {ns.hidden}")
+
+
+def _run_engines(ns: argparse.Namespace, model: str, workload: Any, scenarios: list[str],
+                 work: str) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from .report import breakdown, ratios
+    from .runs import Setup, configs, measure, serve
+
+    modes = ["triton"] if ns.gpu else (["triton", "torch"] if ns.cpu_precopy == "both"
+                                        else [ns.cpu_precopy])
+    only = [c for c in ns.configs.split(",") if c] or None
+    todo = [(s, m, c) for s in scenarios for m in modes for c in configs(ns.latency_ms, only)]
+    results: dict[str, dict[str, Any]] = {}
+    for scenario, mode, config in tqdm(todo, desc="bench", unit="config"):
+        setup = Setup(model=model, work=work, workload=workload, cpu=not ns.gpu,
+                      max_num_batched_tokens=ns.max_num_batched_tokens,
+                      torch_precopy=mode == "torch")
+        key = scenario + ("+torch-precopy" if mode == "torch" else "")
+        results.setdefault(key, {})[config.name] = measure(serve(setup, config, scenario),
+                                                           workload)
+    for by_config in results.values():  # outputs: the same tokens as vLLM's own cache?
+        ref = (by_config.get("hbm") or {}).get("tokens")
+        for r in by_config.values():
+            if "tokens" in r:
+                r["tokens_equal_hbm"] = ref is not None and r.pop("tokens") == ref
+        (by_config.get("hbm") or {}).pop("tokens", None)
+    doc: dict[str, Any] = {"workload": workload.__dict__, "results": results,
+                           "ratios": ratios(results), "breakdown": breakdown(results),
+                           "notes": [] if ns.gpu else NOTES_CPU}
+    if not ns.no_transfer:
+        from .transfer import run as transfer
+
+        doc["transfer"] = transfer(8, 16, 2 << 20, 5, prefetch=2, threads=2, check_crc=False)
+    return doc
+
+
+def _write(doc: dict[str, Any], out: str) -> None:
+    from .report import markdown, plots
+
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(doc, f, indent=2)
+    summary = markdown(doc) if "results" in doc else doc.get("summary", "")
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(summary)
+    made = plots(doc if "results" in doc else {"results": {"server": doc["server_results"]}},
+                 out)
+    print(summary)
+    print(f"\nwrote {out}/bench.json, {out}/summary.md" + "".join(f", {p}" for p in made))
