@@ -222,7 +222,7 @@ class PoolWorker(WorkerLoads, PoolSide):
             self.pipeline.drain()
         failed = self._collect_failures()
         if meta.loads:
-            self._release_pins(meta)
+            self._release_pins(meta.loads)
         # a request whose load failed computed on zeroed pages: none of its
         # pages may reach the pool
         saves = [s for s in meta.saves if s.req_id not in failed]
