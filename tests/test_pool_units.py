@@ -440,7 +440,7 @@ def test_save_queue_commit_leaves_out_excluded_pages(tmp_path):
 # -- scheduler lookup rules ----------------------------------------------------
 
 def _scheduler(tmp_path, *, layers=((0, "attn"), (1, "state")), verify=True, block=4,
-               unit=None, trim=False):
+               unit=None, trim=False, role=None):
     from vllm_layerwise_patch.pool.layout import PoolLayout
     from vllm_layerwise_patch.pool.scheduler import PoolScheduler
 
@@ -448,11 +448,27 @@ def _scheduler(tmp_path, *, layers=((0, "attn"), (1, "state")), verify=True, blo
     layout = PoolLayout(kinds=kinds,
                         group_layers=tuple((f"model.layers.{i}.x",) for i, _ in layers),
                         block_size=block, hash_block_size=unit or block)
+    ktc = None
+    if role is not None:
+        from vllm.config import KVTransferConfig
+
+        ktc = KVTransferConfig(kv_connector="LayerwisePoolConnector", kv_role=role)
     cfg = types.SimpleNamespace(speculative_config=object() if trim else None,
-                                kv_transfer_config=None)
+                                kv_transfer_config=ktc)
     return PoolScheduler(vllm_config=cfg, layout=layout,
                          backend=LmdbBackend(str(tmp_path / "p"), 64 << 20), namespace=NS,
                          config=PoolConfig.from_extra({"verify_on_lookup": verify}))
+
+
+def _step(new=(), scheduled=None):
+    """A SchedulerOutput with ``new`` requests ((req_id, block ids, computed))
+    scheduled ``scheduled[req_id]`` tokens each."""
+    cached = types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                   num_computed_tokens=[])
+    reqs = [types.SimpleNamespace(req_id=r, block_ids=ids, num_computed_tokens=c)
+            for r, ids, c in new]
+    return types.SimpleNamespace(scheduled_new_reqs=reqs, scheduled_cached_reqs=cached,
+                                 num_scheduled_tokens=dict(scheduled or {}))
 
 
 def _store(sched, hashes, blocks, kind):
@@ -778,3 +794,33 @@ def test_save_queue_full_pool_and_failures_are_counted_not_raised(tmp_path):
     q.close()
     failing.close()
     be.close()
+
+
+# -- kv_role (scheduler side) ------------------------------------------------------
+
+@pytest.mark.parametrize("role", [None, "kv_both", "kv_consumer", "kv_producer"])
+def test_kv_role_decides_lookups_and_saves(tmp_path, role):
+    # kv_consumer loads but plans no save; kv_producer saves but every lookup
+    # answers 0 without a backend call; kv_both (and no kv_transfer_config,
+    # as in these tests) does both.
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE
+
+    sched = _scheduler(tmp_path, role=role)
+    loads = role != "kv_producer"
+    saves = role != "kv_consumer"
+    hashes = [bytes([i]) * 8 for i in range(3)]
+    new = _req(hashes, 3 * 4 + 1, rid="new")
+    assert sched.get_num_new_matched_tokens(new, 0) == (0, False)  # empty pool
+    meta = sched.build_connector_meta(_step([("new", ([1, 2, 3], [4, 5, 6]), 0)],
+                                            {"new": 8}))
+    assert bool(meta.saves) == saves, meta.saves
+    if saves:  # blocks 0 and 1 completed, the state at their end (8 tokens)
+        assert [a.hash for a in meta.saves[0].attn] == hashes[:2]
+        assert [h for h, _ in meta.saves[0].mamba] == [hashes[1]]
+    _store(sched, hashes, range(3), ATTN)
+    _store(sched, hashes, range(3), STATE)
+    before = dict(sched.backend.calls)
+    got = sched.get_num_new_matched_tokens(_req(hashes, 3 * 4 + 1, rid="hit"), 0)
+    assert got == ((12, False) if loads else (0, False))
+    assert (dict(sched.backend.calls) != before) == loads
+

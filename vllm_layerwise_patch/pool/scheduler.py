@@ -8,6 +8,11 @@ left when the request finishes; ``pin_seconds`` bounds a pin if an engine
 dies.  A request vLLM looks up again (it waits for KV space) keeps its pins
 without another backend call.
 
+``kv_role`` (vLLM's kv_transfer_config): ``kv_consumer`` only loads (no save
+is planned), ``kv_producer`` only saves (every lookup answers 0 without
+asking the pool), ``kv_both`` - and a scheduler without a kv_transfer_config
+(unit tests) - does both.
+
 Any backend error during a lookup is a miss (logged once); during save
 planning the step's saves are skipped.  A request whose load failed is not
 served from the pool again (it recomputes; a backend that answers lookups
@@ -52,6 +57,14 @@ class PoolScheduler(PoolLookup):
         self._report_errors: bool | None = None
         ktc = getattr(vllm_config, "kv_transfer_config", None)
         self.failure_policy = getattr(ktc, "kv_load_failure_policy", None) or "fail"
+        self.loads_on = ktc is None or bool(ktc.is_kv_consumer)
+        self.saves_on = ktc is None or bool(ktc.is_kv_producer)
+        logger.info("vllm-layerwise-patch pool: kv_role %s: %s", getattr(ktc, "kv_role", None)
+                    or "kv_both", {(True, True): "loads and saves",
+                                   (True, False): "loads only (no saves)",
+                                   (False, True): "saves only (no lookups)",
+                                   (False, False): "neither loads nor saves"}[
+                                       (self.loads_on, self.saves_on)])
         self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0}
 
     def _pin(self, rid: str, groups: list[bytes]) -> None:
@@ -75,7 +88,7 @@ class PoolScheduler(PoolLookup):
         tracked = self._tracked.setdefault(rid, _Tracked(request, []))
         tracked.loaded_end = 0  # (again, after a preemption)
         self._pending.pop(rid, None)
-        if rid in self._load_failed:
+        if rid in self._load_failed or not self.loads_on:
             return 0, False
         try:
             k = self.lookup(request, num_computed_tokens)
@@ -150,14 +163,15 @@ class PoolScheduler(PoolLookup):
             t = self._tracked[spec.req_id]
             spec.running_blocks = {g: t.blocks[g][col] for g in spec.mamba_blocks
                                    if col < len(t.blocks[g])}
+        saves = []
         try:
-            self.note_generation()
-            saves = self._plan_saves(steps)
+            if self.saves_on:
+                self.note_generation()
+                saves = self._plan_saves(steps)
         except Exception as exc:  # noqa: BLE001 - a missed save only costs a hit
             self.log.warning("save-plan-error", "vllm-layerwise-patch pool: planning saves "
                             "failed (%s: %s); this step's blocks are not stored (further "
                             "errors are not logged)", type(exc).__name__, exc)
-            saves = []
         return PoolMetadata(loads, saves, self.report_load_errors())
 
     def _plan_saves(self, steps: list[tuple[str, int, int]]) -> list[SaveSpec]:
