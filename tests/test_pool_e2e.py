@@ -17,7 +17,8 @@ import lmdb
 import pytest
 
 from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE
-from vllm_layerwise_patch.testing.engines import engine_env, kv_metrics, run_engine, toks
+from vllm_layerwise_patch.testing.engines import (engine_env, kv_metrics, run_engine, served,
+                                                  toks)
 
 pytestmark = pytest.mark.vllm
 
@@ -232,3 +233,45 @@ def test_failed_load_without_the_patches_stops_and_serves_no_tokens(tiny_model_d
     res = engine(tiny_model_dir, work, [P], pool=pool, patches="0", policy="recompute")
     assert res["out"][0].get("error") and not res["out"][0]["tokens"], res["out"]
     assert "debug-missing" in res["log"]
+
+
+# -- load_async: the hit loads in the background, the request waits for it --------
+# Each engine's hit comes from engine A's one forward of P, so the tokens are
+# compared with the cold runs.  Three engine starts in all.
+
+def test_async_load_hits_with_identical_tokens(tiny_model_dir, work, pool_a, baseline):
+    # PA: vLLM parks it while its 2 blocks load outside any forward (it is the
+    # only request: the load finishes in steps without a forward); then P:
+    # PA's blocks from HBM, the 3rd block loaded asynchronously after them.
+    pool = dict(pool_a, load_async=True, debug_load_delay_ms=20)
+    res = served(engine(tiny_model_dir, work, [PA, P], pool=pool))
+    assert [o["cached"] for o in res["out"]] == [2 * BLOCK, 3 * BLOCK]
+    assert toks(res) == [toks(baseline)[1], toks(baseline)[0]]
+    assert "loads asynchronous" in res["log"]
+    lines = kv_metrics(res["log"])
+    assert sum(int(f["External hit tokens loaded"]) for f in lines) == 3 * BLOCK
+    assert sum(float(f["Loaded (GB)"]) for f in lines) > 0
+    assert sum(float(f["Load time (ms)"]) for f in lines) > 0
+    # no forward ever waited for these loads
+    assert sum(float(f["Forward wait on loads (ms)"]) for f in lines) == 0
+
+
+def test_async_load_negative_control_state_left_out_changes_tokens(tiny_model_dir, work,
+                                                                   pool_a, baseline):
+    pool = dict(pool_a, load_async=True, debug_skip_mamba_load=True)
+    res = served(engine(tiny_model_dir, work, [P], pool=pool))
+    assert res["out"][0]["cached"] == 3 * BLOCK
+    assert toks(res)[0][0] != toks(baseline)[0][0]
+
+
+def test_failed_async_load_recomputes_with_identical_tokens(tiny_model_dir, work, pool_a,
+                                                            baseline):
+    # The asynchronous load of P fails in one layer: vLLM hears it through
+    # failed_recving and, by the recompute policy, starts P from token 0 (no
+    # pool hit the second time); the engine goes on and serves P again.
+    pool = dict(pool_a, load_async=True, debug_fail_load_layer=FAIL_LAYER)
+    res = served(engine(tiny_model_dir, work, [P, P], pool=pool, policy="recompute"))
+    assert "debug-missing" in res["log"]
+    assert res["out"][0]["cached"] == 0
+    assert toks(res) == toks(baseline)[:1] * 2
+    assert re.search(r"Requests with failed loads=1\b", res["log"]), res["log"][-3000:]

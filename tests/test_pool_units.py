@@ -440,7 +440,7 @@ def test_save_queue_commit_leaves_out_excluded_pages(tmp_path):
 # -- scheduler lookup rules ----------------------------------------------------
 
 def _scheduler(tmp_path, *, layers=((0, "attn"), (1, "state")), verify=True, block=4,
-               unit=None, trim=False):
+               unit=None, trim=False, role=None, load_async=False):
     from vllm_layerwise_patch.pool.layout import PoolLayout
     from vllm_layerwise_patch.pool.scheduler import PoolScheduler
 
@@ -448,11 +448,28 @@ def _scheduler(tmp_path, *, layers=((0, "attn"), (1, "state")), verify=True, blo
     layout = PoolLayout(kinds=kinds,
                         group_layers=tuple((f"model.layers.{i}.x",) for i, _ in layers),
                         block_size=block, hash_block_size=unit or block)
+    ktc = None
+    if role is not None:
+        from vllm.config import KVTransferConfig
+
+        ktc = KVTransferConfig(kv_connector="LayerwisePoolConnector", kv_role=role)
     cfg = types.SimpleNamespace(speculative_config=object() if trim else None,
-                                kv_transfer_config=None)
+                                kv_transfer_config=ktc)
     return PoolScheduler(vllm_config=cfg, layout=layout,
                          backend=LmdbBackend(str(tmp_path / "p"), 64 << 20), namespace=NS,
-                         config=PoolConfig.from_extra({"verify_on_lookup": verify}))
+                         config=PoolConfig.from_extra({"verify_on_lookup": verify,
+                                                       "load_async": load_async}))
+
+
+def _step(new=(), scheduled=None):
+    """A SchedulerOutput with ``new`` requests ((req_id, block ids, computed))
+    scheduled ``scheduled[req_id]`` tokens each."""
+    cached = types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                   num_computed_tokens=[])
+    reqs = [types.SimpleNamespace(req_id=r, block_ids=ids, num_computed_tokens=c)
+            for r, ids, c in new]
+    return types.SimpleNamespace(scheduled_new_reqs=reqs, scheduled_cached_reqs=cached,
+                                 num_scheduled_tokens=dict(scheduled or {}))
 
 
 def _store(sched, hashes, blocks, kind):
@@ -778,3 +795,83 @@ def test_save_queue_full_pool_and_failures_are_counted_not_raised(tmp_path):
     q.close()
     failing.close()
     be.close()
+
+
+# -- kv_role and asynchronous loads (scheduler side) --------------------------------
+
+@pytest.mark.parametrize("role", [None, "kv_both", "kv_consumer", "kv_producer"])
+def test_kv_role_decides_lookups_and_saves(tmp_path, role):
+    # kv_consumer loads but plans no save; kv_producer saves but every lookup
+    # answers 0 without a backend call; kv_both (and no kv_transfer_config,
+    # as in these tests) does both.
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE
+
+    sched = _scheduler(tmp_path, role=role)
+    loads = role != "kv_producer"
+    saves = role != "kv_consumer"
+    hashes = [bytes([i]) * 8 for i in range(3)]
+    new = _req(hashes, 3 * 4 + 1, rid="new")
+    assert sched.get_num_new_matched_tokens(new, 0) == (0, False)  # empty pool
+    meta = sched.build_connector_meta(_step([("new", ([1, 2, 3], [4, 5, 6]), 0)],
+                                            {"new": 8}))
+    assert bool(meta.saves) == saves, meta.saves
+    if saves:  # blocks 0 and 1 completed, the state at their end (8 tokens)
+        assert [a.hash for a in meta.saves[0].attn] == hashes[:2]
+        assert [h for h, _ in meta.saves[0].mamba] == [hashes[1]]
+    _store(sched, hashes, range(3), ATTN)
+    _store(sched, hashes, range(3), STATE)
+    before = dict(sched.backend.calls)
+    got = sched.get_num_new_matched_tokens(_req(hashes, 3 * 4 + 1, rid="hit"), 0)
+    assert got == ((12, False) if loads else (0, False))
+    assert (dict(sched.backend.calls) != before) == loads
+
+
+def test_async_hit_is_loaded_outside_the_forward_and_keeps_its_pins(tmp_path):
+    # load_async: the hit is answered (n, True); its load goes to the
+    # workers as an asynchronous load (not one of the step's forward loads);
+    # its pins outlive a request that ends while the load is in flight and
+    # are released once the workers report it done.
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE, group_key
+
+    sched = _scheduler(tmp_path, load_async=True)
+    hashes = [bytes([i]) * 8 for i in range(3)]
+    _store(sched, hashes, range(3), ATTN)
+    _store(sched, hashes, range(3), STATE)
+    req = _req(hashes, 3 * 4 + 1, rid="a")
+    assert sched.get_num_new_matched_tokens(req, 4) == (8, True)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 0], [0, 0, 11, 0]))
+    sched.update_state_after_alloc(req, blocks, 8)
+    meta = sched.build_connector_meta(_step())  # the request is parked: nothing scheduled
+    assert meta.loads == [] and len(meta.async_loads) == 1
+    spec = meta.async_loads[0]
+    assert (spec.start, spec.end, spec.hashes) == (1, 3, hashes[1:3])
+    assert spec.attn_blocks == {0: [8, 9]} and spec.mamba_blocks == {1: 11}
+    assert sched.build_connector_meta(_step()).async_loads == []  # handed over once
+    pinned = sorted([group_key(NS, ATTN, hashes[1], 0), group_key(NS, ATTN, hashes[2], 0),
+                     group_key(NS, STATE, hashes[2], 0)])
+    be = sched.backend
+    now = struct.pack(">d", time.time())
+
+    def pins():
+        with be._txn() as txn:
+            return [g for g in pinned if be._pinned(txn, g, now)]
+
+    sched.request_finished(req)  # aborted while its load is in flight
+    assert pins() == pinned
+    sched.update_connector_output(types.SimpleNamespace(finished_recving={"a"}))
+    assert pins() == []
+
+
+def test_failed_async_load_is_not_looked_up_again(tmp_path):
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE
+
+    sched = _scheduler(tmp_path, load_async=True)
+    hashes = [bytes([i]) * 8 for i in range(3)]
+    _store(sched, hashes, range(3), ATTN)
+    _store(sched, hashes, range(3), STATE)
+    req = _req(hashes, 3 * 4 + 1, rid="a")
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    sched.update_connector_output(types.SimpleNamespace(
+        finished_recving={"a"}, failed_recving={"a"}, invalid_block_ids=set()))
+    # vLLM's recompute policy starts it again from token 0: no pool hit
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)

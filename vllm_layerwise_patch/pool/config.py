@@ -192,6 +192,13 @@ class PoolConfig(BaseModel):
         description="a step's final write (the last layer's pages and the commit markers) "
                     "completes in the background, before the next step loads or saves, "
                     "instead of at the end of the step")
+    load_async: bool = Field(
+        default=False,
+        description="load a hit in the background, outside any forward: vLLM parks the "
+                    "request (`WAITING_FOR_REMOTE_KVS`) until every layer of its hit is in "
+                    "place, then computes it as a prefix-cache hit (no layer overlap; other "
+                    "requests' steps go on meanwhile); `false`: the hit loads layer by layer "
+                    "in the step that computes the request")
     namespace_salt: str = Field(
         default="", description="extra namespace text (engines with different salts never "
                                 "share entries)")

@@ -20,6 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+try:  # vLLM's per-request load-failure channel (failed_recving), 0.32 on
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None
+
 from .config import PoolConfig, PoolConfigError
 from .identity import namespace_description, namespace_of
 from .layout import PoolLayout
@@ -64,6 +69,13 @@ def open_backend(config: PoolConfig, fault_role: str | None = None):
     return backend
 
 
+def async_loads_supported() -> bool:
+    """vLLM takes a failed asynchronous load per request (``failed_recving``);
+    without it a failed load could not be turned into a recompute."""
+    fields = getattr(KVConnectorTransferResults, "__dataclass_fields__", {})
+    return "failed_recving" in fields
+
+
 def _check_engine_config(vllm_config: Any) -> None:
     cc = vllm_config.cache_config
     mc = vllm_config.model_config
@@ -94,6 +106,10 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.pool_config = PoolConfig.from_extra(extra)
+        if self.pool_config.load_async and not async_loads_supported():
+            logger.warning("vllm-layerwise-patch pool: load_async needs vLLM's failed_recving "
+                           "(vLLM >= 0.32), not found; loading synchronously")
+            self.pool_config = self.pool_config.model_copy(update={"load_async": False})
         _check_engine_config(vllm_config)
         if kv_cache_config is None:
             raise PoolConfigError("LayerwisePoolConnector needs vLLM's kv_cache_config")
@@ -195,6 +211,20 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]):
+        """(saves finished: none, the pool's saves are not asynchronous;
+        requests whose asynchronous loads are done)."""
+        if self._worker is None:
+            return None, None
+        done, _ = self._worker.transfer_results()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """Asynchronous loads done, and those of them that failed (vLLM
+        recomputes or fails those requests by its kv_load_failure_policy)."""
+        done, failed = self._worker.transfer_results() if self._worker else (set(), set())
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()

@@ -1,6 +1,8 @@
 """What the scheduler side tells the workers each step (the connector
-metadata): the loads and saves it planned, and whether a failed load may be
-reported to vLLM; and the names both sides give a load's pins."""
+metadata): the loads and saves it planned (the loads of this step's forward,
+and the asynchronous loads of requests vLLM parks until their KV has
+arrived), and whether a failed load may be reported to vLLM; and the names
+both sides give a load's pins."""
 
 from __future__ import annotations
 
@@ -44,9 +46,13 @@ class SaveSpec:
 
 class PoolMetadata(KVConnectorMetadata):
     def __init__(self, loads: list[LoadSpec], saves: list[SaveSpec],
-                 report_load_errors: bool = False) -> None:
+                 report_load_errors: bool = False,
+                 async_loads: list[LoadSpec] | None = None) -> None:
         self.loads = loads
         self.saves = saves
+        # load_async: loads that run in the background, outside any forward;
+        # the worker reports each request once all its layers are in place
+        self.async_loads = async_loads or []
         # the scheduler can take block load errors for this layout: a failed
         # load is reported (the request recomputes) instead of raised
         self.report_load_errors = report_load_errors

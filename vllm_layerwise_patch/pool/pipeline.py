@@ -46,6 +46,44 @@ def fill_page(dest: torch.Tensor, payload: memoryview) -> None:
 LoadItem = tuple[bytes, list[torch.Tensor]]  # key -> every page it fills
 
 
+def read_items(backend: Backend, ns: bytes, items: list[LoadItem], *, check_crc: bool = True,
+               on_fail=None) -> int:
+    """Read ``items`` (key -> the pages it fills) from ``backend`` and fill
+    the pages, each value validated first; returns the bytes written.  A
+    failed item raises, or - with ``on_fail(i, key, dests, exc)`` - is
+    handed to it (also every item a failing backend did not deliver)."""
+    moved = [0]
+    done: set[int] = set()
+
+    def consume(i: int, key: bytes, value) -> None:
+        dests = items[i][1]
+        done.add(i)
+        try:
+            if value is None:
+                raise LoadError(f"pool entry {key!r} vanished between lookup and load")
+            payload = unpack(key, value, ns, expected_length=dests[0].numel(),
+                             check_crc=check_crc)
+            for dest in dests:
+                fill_page(dest, payload)
+                moved[0] += dest.numel()
+        except Exception as exc:
+            if on_fail is None:
+                raise
+            on_fail(i, key, dests, exc)
+
+    try:
+        backend.read_many([k for k, _ in items], consume,
+                          [HEADER_SIZE + d[0].numel() for _, d in items])
+    except Exception as exc:
+        if on_fail is None:
+            raise
+        # the backend itself failed: every item it did not deliver fails
+        for i, (key, dests) in enumerate(items):
+            if i not in done:
+                on_fail(i, key, dests, exc)
+    return moved[0]
+
+
 class LayerwisePipeline:
     def __init__(self, order: list[str], backend: Backend, namespace: bytes, *,
                  prefetch: int = 2, threads: int = 2, check_crc: bool = True,
@@ -94,37 +132,12 @@ class LayerwisePipeline:
             self.failures.append((layer, i, key, exc))
 
     def _load_items(self, layer: str, items: list[LoadItem]) -> int:
-        moved = [0]
-        tolerate = self._tolerate
-        done: set[int] = set()
-
-        def consume(i: int, key: bytes, value) -> None:
-            dests = items[i][1]
-            done.add(i)
-            try:
-                if value is None:
-                    raise LoadError(f"pool entry {key!r} vanished between lookup and load")
-                payload = unpack(key, value, self.ns, expected_length=dests[0].numel(),
-                                 check_crc=self.check_crc)
-                for dest in dests:
-                    fill_page(dest, payload)
-                    moved[0] += dest.numel()
-            except Exception as exc:
-                if not tolerate:
-                    raise
+        on_fail = None
+        if self._tolerate:
+            def on_fail(i: int, key: bytes, dests: list[torch.Tensor], exc: Exception) -> None:
                 self._fail(layer, i, key, dests, exc)
-
-        try:
-            self.backend.read_many([k for k, _ in items], consume,
-                                   [HEADER_SIZE + d[0].numel() for _, d in items])
-        except Exception as exc:
-            if not tolerate:
-                raise
-            # the backend itself failed: every item it did not deliver fails
-            for i, (key, dests) in enumerate(items):
-                if i not in done:
-                    self._fail(layer, i, key, dests, exc)
-        return moved[0]
+        return read_items(self.backend, self.ns, items, check_crc=self.check_crc,
+                          on_fail=on_fail)
 
     def _submit_until(self, limit: int) -> None:
         with self._lock:

@@ -8,6 +8,17 @@ left when the request finishes; ``pin_seconds`` bounds a pin if an engine
 dies.  A request vLLM looks up again (it waits for KV space) keeps its pins
 without another backend call.
 
+With ``load_async`` a hit is answered ``load_async=True``: vLLM parks the
+request until the workers report its load done (:mod:`.worker_async`); its
+pins are refreshed while the load is in flight and outlive the request if it
+ends first (vLLM keeps its blocks until then too).  A failed asynchronous load
+comes back in ``failed_recving``.
+
+``kv_role`` (vLLM's kv_transfer_config): ``kv_consumer`` only loads (no save
+is planned), ``kv_producer`` only saves (every lookup answers 0 without
+asking the pool), ``kv_both`` - and a scheduler without a kv_transfer_config
+(unit tests) - does both.
+
 Any backend error during a lookup is a miss (logged once); during save
 planning the step's saves are skipped.  A request whose load failed is not
 served from the pool again (it recomputes; a backend that answers lookups
@@ -52,6 +63,19 @@ class PoolScheduler(PoolLookup):
         self._report_errors: bool | None = None
         ktc = getattr(vllm_config, "kv_transfer_config", None)
         self.failure_policy = getattr(ktc, "kv_load_failure_policy", None) or "fail"
+        self.loads_on = ktc is None or bool(ktc.is_kv_consumer)
+        self.saves_on = ktc is None or bool(ktc.is_kv_producer)
+        self.load_async = bool(config.load_async) and self.loads_on
+        self._async_loads: list[LoadSpec] = []
+        self._inflight: set[str] = set()  # asynchronous loads not reported done
+        self._orphans: set[str] = set()  # ... whose requests have finished
+        logger.info("vllm-layerwise-patch pool: kv_role %s: %s", getattr(ktc, "kv_role", None)
+                    or "kv_both", {(True, True): "loads and saves",
+                                   (True, False): "loads only (no saves)",
+                                   (False, True): "saves only (no lookups)",
+                                   (False, False): "neither loads nor saves"}[
+                                       (self.loads_on, self.saves_on)]
+                    + (", loads asynchronous" if self.load_async else ""))
         self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0}
 
     def _pin(self, rid: str, groups: list[bytes]) -> None:
@@ -75,7 +99,7 @@ class PoolScheduler(PoolLookup):
         tracked = self._tracked.setdefault(rid, _Tracked(request, []))
         tracked.loaded_end = 0  # (again, after a preemption)
         self._pending.pop(rid, None)
-        if rid in self._load_failed:
+        if rid in self._load_failed or not self.loads_on:
             return 0, False
         try:
             k = self.lookup(request, num_computed_tokens)
@@ -93,8 +117,9 @@ class PoolScheduler(PoolLookup):
         if k == 0:
             return 0, False
         self._pending[rid] = k
-        # load_async=False: loads must start before this step's forward.
-        return k * self.block_size - num_computed_tokens, False
+        # load_async: vLLM parks the request until the workers report the
+        # load done; otherwise layerwise loads start before this step's forward
+        return k * self.block_size - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         k = self._pending.pop(request.request_id, 0)
@@ -109,8 +134,12 @@ class PoolScheduler(PoolLookup):
         mamba = {g: ids[k - 1] for g, ids in enumerate(block_ids) if kinds[g] == STATE}
         tokens = ([self.next_token(request, i) for i in range(start, k)]
                   if self.drafter else [])
-        self._loads.append(LoadSpec(request.request_id, start, k, hashes, attn, mamba, {},
-                                    tokens))
+        spec = LoadSpec(request.request_id, start, k, hashes, attn, mamba, {}, tokens)
+        if self.load_async:
+            self._async_loads.append(spec)
+            self._inflight.add(request.request_id)
+        else:
+            self._loads.append(spec)
         self._issued[request.request_id] = {b for ids in attn.values() for b in ids} | set(
             mamba.values())
         self.stats["hit_tokens"] += num_external_tokens
@@ -150,15 +179,26 @@ class PoolScheduler(PoolLookup):
             t = self._tracked[spec.req_id]
             spec.running_blocks = {g: t.blocks[g][col] for g in spec.mamba_blocks
                                    if col < len(t.blocks[g])}
+        saves = []
         try:
-            self.note_generation()
-            saves = self._plan_saves(steps)
+            if self.saves_on:
+                self.note_generation()
+                saves = self._plan_saves(steps)
         except Exception as exc:  # noqa: BLE001 - a missed save only costs a hit
             self.log.warning("save-plan-error", "vllm-layerwise-patch pool: planning saves "
                             "failed (%s: %s); this step's blocks are not stored (further "
                             "errors are not logged)", type(exc).__name__, exc)
-            saves = []
-        return PoolMetadata(loads, saves, self.report_load_errors())
+        async_loads, self._async_loads = self._async_loads, []
+        self._refresh_pins()
+        return PoolMetadata(loads, saves, self.report_load_errors(), async_loads)
+
+    def _refresh_pins(self) -> None:
+        """Pins of asynchronous loads in flight last until they are done."""
+        for rid in self._inflight:
+            try:
+                self._pin(rid, self._pinned.get(rid, ([], 0.0))[0])
+            except Exception:  # noqa: BLE001 - pins expire after pin_seconds anyway
+                pass
 
     def _plan_saves(self, steps: list[tuple[str, int, int]]) -> list[SaveSpec]:
         B, L = self.block_size, self.layout
@@ -228,15 +268,21 @@ class PoolScheduler(PoolLookup):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Requests whose loads the workers reported failed recompute without
-        the pool."""
+        the pool; finished asynchronous loads release what they held."""
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._inflight.discard(rid)
+            if rid in self._orphans:  # its request ended while loading
+                self._orphans.discard(rid)
+                self._unpin(rid)
+        failed = {rid for rid in getattr(connector_output, "failed_recving", None) or ()
+                  if rid in self._tracked}
         invalid = getattr(connector_output, "invalid_block_ids", None)
-        if not invalid:
-            return
-        for rid, ids in self._issued.items():
-            if ids & invalid and rid not in self._load_failed:
-                self._load_failed.add(rid)
-                logger.info("vllm-layerwise-patch pool: request %s recomputes without the "
-                            "pool after a failed load", rid)
+        if invalid:
+            failed |= {rid for rid, ids in self._issued.items() if ids & invalid}
+        for rid in sorted(failed - self._load_failed):
+            self._load_failed.add(rid)
+            logger.info("vllm-layerwise-patch pool: request %s recomputes without the "
+                        "pool after a failed load", rid)
 
     def _ids(self, t: _Tracked, col: int, kind: str) -> dict[int, int]:
         return {g: t.blocks[g][col] for g in self.layout.groups(kind)
@@ -248,6 +294,12 @@ class PoolScheduler(PoolLookup):
         self._pending.pop(rid, None)
         self._issued.pop(rid, None)
         self._load_failed.discard(rid)
+        if rid in self._inflight:  # its load still reads the pool: keep the pins
+            self._orphans.add(rid)
+            return
+        self._unpin(rid)
+
+    def _unpin(self, rid: str) -> None:
         groups, _ = self._pinned.pop(rid, (None, 0))
         if groups:
             try:

@@ -14,6 +14,9 @@ Two modes, chosen once per process and logged once:
   loaded column, so the running column is written directly); pages are saved
   after the forward in ``wait_for_save``.  Correct, without overlap.
 
+With ``load_async`` hits are loaded in the background instead, before the
+request is computed (:mod:`.worker_async`); saves are unchanged.
+
 Saved pages go through a send thread (``SaveQueue``) that copies them to
 host memory while later layers compute; at the end of the step
 (``wait_for_save``) the queue is drained and the pages and their commit
@@ -40,6 +43,7 @@ from .layout import PoolLayout
 from .pipeline import LayerwisePipeline
 from .saving import SaveQueue
 from .side import PoolSide
+from .worker_async import WorkerAsyncLoads
 from .worker_loads import WorkerLoads
 from .worker_env import layerwise_patches_applied, resolve_tp_rank
 from .metadata import PoolMetadata
@@ -47,7 +51,7 @@ from .metadata import PoolMetadata
 logger = logging.getLogger("vllm.layerwise_patch")
 
 
-class PoolWorker(WorkerLoads, PoolSide):
+class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
     def __init__(self, *, vllm_config: Any, layout: PoolLayout, backend: Any,
                  namespace: bytes, config: Any) -> None:
         super().__init__(layout=layout, backend=backend, namespace=namespace, config=config)
@@ -66,6 +70,7 @@ class PoolWorker(WorkerLoads, PoolSide):
         self._owners: dict[str, list[str]] = {}
         self._failed_reqs: set[str] = set()
         self._debug_failed = False
+        self._init_async()
         from .stats import PoolStats
 
         self.stats = PoolStats()
@@ -117,6 +122,7 @@ class PoolWorker(WorkerLoads, PoolSide):
         if self._events is not None:
             self._events.append(("step-begin", self.saver._step))
         self._meta = meta
+        self._note_async(meta)
         if meta.loads:
             self.stats.add(hit_tokens=sum(
                 (s.end - s.start) * self.block_size for s in meta.loads))
@@ -127,6 +133,9 @@ class PoolWorker(WorkerLoads, PoolSide):
                                 tolerate_errors=self._tolerate(meta))
 
     def start_load_kv(self) -> None:
+        # asynchronous loads start here: after the forward (or in a step
+        # without one), off the forward's critical path
+        self._start_async()
         if self._meta is not None and not self.layerwise and self._meta.loads:
             self.pipeline.load_all(self._debug_fail(self._load_tasks(self._meta, bulk=True)),
                                    tolerate_errors=self._tolerate(self._meta))
@@ -222,7 +231,7 @@ class PoolWorker(WorkerLoads, PoolSide):
             self.pipeline.drain()
         failed = self._collect_failures()
         if meta.loads:
-            self._release_pins(meta)
+            self._release_pins(meta.loads)
         # a request whose load failed computed on zeroed pages: none of its
         # pages may reach the pool
         saves = [s for s in meta.saves if s.req_id not in failed]
@@ -274,6 +283,7 @@ class PoolWorker(WorkerLoads, PoolSide):
         self._meta = None
 
     def close(self) -> None:
+        self._close_async()
         if self.pipeline is not None:
             self.pipeline.close()
         if self.saver is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .keys import ATTN, STATE, draft_page_key, group_of, layer_id, page_key
-from .metadata import PoolMetadata, load_groups, owner_of
+from .metadata import LoadSpec, PoolMetadata, load_groups, owner_of
 from .pipeline import LoadItem
 
 
@@ -19,8 +19,14 @@ class WorkerLoads:
         each key read once however many requests load it (requests sharing a
         prefix in one step); ``self._owners[layer][i]`` lists the requests
         item ``i`` serves."""
+        tasks, self._owners = self._plan_loads(meta.loads, bulk)
+        return tasks
+
+    def _plan_loads(self, loads: list[LoadSpec], bulk: bool
+                    ) -> tuple[dict[str, list[LoadItem]], dict[str, list[list[str]]]]:
+        """Per layer, the items of ``loads`` and the requests each item serves."""
         tasks: dict[str, list[LoadItem]] = {}
-        self._owners = {}
+        owners: dict[str, list[list[str]]] = {}
         rank = self.tp_rank
         if self.config.debug_load_tp_rank >= 0:  # negative control (tests)
             rank = self.config.debug_load_tp_rank
@@ -30,12 +36,12 @@ class WorkerLoads:
             merged: dict[bytes, tuple[list[torch.Tensor], list[str]]] = {}
 
             def add(key: bytes, dests: list[torch.Tensor], req: str) -> None:
-                d, owners = merged.setdefault(key, ([], []))
+                d, reqs = merged.setdefault(key, ([], []))
                 d += dests
-                if req not in owners:
-                    owners.append(req)
+                if req not in reqs:
+                    reqs.append(req)
 
-            for spec in meta.loads:
+            for spec in loads:
                 if kind == ATTN:
                     for i, (h, bid) in enumerate(zip(spec.hashes, spec.attn_blocks.get(g, []))):
                         key = (draft_page_key(self.ns, h, rank, idx, spec.next_tokens[i])
@@ -49,8 +55,8 @@ class WorkerLoads:
                     add(page_key(self.ns, STATE, spec.hashes[-1], rank, idx), dests,
                         spec.req_id)
             tasks[layer] = [(k, d) for k, (d, _) in merged.items()]
-            self._owners[layer] = [o for _, o in merged.values()]
-        return tasks
+            owners[layer] = [o for _, o in merged.values()]
+        return tasks, owners
 
     @staticmethod
     def _tolerate(meta: PoolMetadata) -> bool:
@@ -92,17 +98,22 @@ class WorkerLoads:
                     "and its pages are not used (further failures are counted in the "
                     "metrics, not logged)", type(exc).__name__, exc, req)
         self.pipeline.failures = []
-        if broken:
-            try:
-                self.backend.delete_groups(sorted(broken))
-            except Exception:  # noqa: BLE001 - best effort; the lookup drops them too
-                pass
+        self._drop_broken(broken)
         return self._failed_reqs
 
-    def _release_pins(self, meta: PoolMetadata) -> None:
-        """This rank has read what its loads needed: release the scheduler's
+    def _drop_broken(self, groups: set[bytes]) -> None:
+        """Remove the blocks behind failed loads from the pool (they are saved
+        again when recomputed)."""
+        if groups:
+            try:
+                self.backend.delete_groups(sorted(groups))
+            except Exception:  # noqa: BLE001 - best effort; the lookup drops them too
+                pass
+
+    def _release_pins(self, loads: list[LoadSpec]) -> None:
+        """This rank has read what ``loads`` needed: release the scheduler's
         pins on this rank's groups."""
-        for spec in meta.loads:
+        for spec in loads:
             groups = load_groups(self.ns, spec.hashes, [self.tp_rank], self.layout.has_state)
             try:
                 self.backend.unpin(groups, owner_of(spec.req_id))
