@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 
+import numpy as np
 import torch
 
 from .backends.base import HEADER_SIZE, Backend, PoolFull, header, pack
@@ -54,10 +55,13 @@ class PackArena:
             self._chunk, self._off = self._chunk + 1, 0
 
     def pack(self, page: torch.Tensor) -> memoryview:
-        n = page.numel()
-        value = self._alloc(HEADER_SIZE + n)
-        value[HEADER_SIZE:].copy_(page.reshape(-1).view(torch.uint8))
+        raw = page.reshape(-1).view(torch.uint8)
+        value = self._alloc(HEADER_SIZE + raw.numel())
         host = value.numpy()
+        if raw.device.type == "cpu":  # a plain memcpy: torch's copy_ costs ~6x here
+            np.copyto(host[HEADER_SIZE:], raw.numpy())
+        else:
+            value[HEADER_SIZE:].copy_(raw)
         host[:HEADER_SIZE] = memoryview(header(self.ns, host[HEADER_SIZE:]))
         return memoryview(host)
 
