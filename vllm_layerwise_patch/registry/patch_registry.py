@@ -153,7 +153,7 @@ class Registry:
             logger.warning("vllm-layerwise-patch: %s %s", patch.id, st.reason)
         else:
             st.verified_release = decision.detail
-        installer = Installer(patch)
+        installer = Installer(patch, decision.release.release if decision.release else None)
         try:
             patch.install(installer)
         except Exception:
