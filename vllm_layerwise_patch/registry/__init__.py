@@ -30,7 +30,7 @@ from .fingerprints import (
     release_table,
     verified_on,
 )
-from .installation import Installer, mark, patch_marker
+from .installation import Installer, mark, patch_marker, unwrap_ours
 from .patch_registry import PatchStatus, Registry, State
 from .resolution import (
     VLLM_DISTRIBUTIONS,
@@ -53,7 +53,7 @@ __all__ = [
     "State", "Target", "Verdict", "Verified",
     "describe_drift", "detect_environment", "evaluate", "evaluate_row", "fingerprint",
     "live_fingerprints", "live_object", "mark", "matching_release", "nearest_release",
-    "parse_doc_fields", "patch_marker", "release_environment",
+    "parse_doc_fields", "patch_marker", "release_environment", "unwrap_ours",
     "release_fingerprints", "release_table", "resolve_declared", "resolve_source",
     "verified_on",
 ]
