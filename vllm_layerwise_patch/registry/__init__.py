@@ -13,6 +13,8 @@ objects back.  One module per concern, each readable on its own:
 * :mod:`.resolution` - which release a source matches, drift, opt-in, not
   applicable, FORCE; shared by the live apply and the version matrix;
 * :mod:`.installation` - wrap, replace, kernel override, add; revert;
+* :mod:`.plugins` - what a platform plugin (vllm-ascend) carries or bypasses,
+  read from its source;
 * :mod:`.patch_registry` - the registry: state per patch, idempotent apply.
 
 The names below are this package's interface; import them from here.
