@@ -218,3 +218,13 @@ def test_committed_ascend_report_says_carried_applies_or_unsupported_with_reason
         for pid, row in report["patches"].items():
             assert row["state"] in ("carried", "applies", "not-applicable", "not-needed"), row
             assert row["detail"].strip(), pid
+
+
+def test_npu_extra_brings_what_vllm_ascend_runs_on():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = {req.split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
+             for req in extras["npu"]}
+    assert {"torch-npu", "triton-ascend"} <= names, extras["npu"]
