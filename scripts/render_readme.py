@@ -36,13 +36,35 @@ def compat_table() -> str:
         release_fingerprints,
     )
 
-    lines = ["| patch | " + " | ".join(RELEASES) + " |", "|---|" + "---|" * len(RELEASES)]
+    plugins = plugin_reports()
+    heads = list(RELEASES) + [f"{r['release']} ({r['platform']})" for r in plugins]
+    lines = ["| patch | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for p in all_patches():
         cells = [compat_cell(evaluate_row(p, release_fingerprints(p, rel),
                                           release_environment(rel)))
                  for rel in RELEASES]
+        cells += [_PLUGIN_CELL[r["patches"][p.id]["state"]].format(r["release"].rpartition(" ")[0])
+                  for r in plugins]
         lines.append(f"| `{p.id}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+#: a platform plugin's column: what its wheel's source says (scripts/matrix.py
+#: --plugin, committed under reports/matrix/), by the rules of registry.plugins
+_PLUGIN_CELL = {"carried": "carried by {}", "not-needed": "not needed",
+                "not-applicable": "unsupported (bypassed by {})",
+                "applies": "applies (on a verified vLLM)"}
+
+
+def plugin_reports() -> list[dict]:
+    """The committed reports of the platform plugins' wheels (vllm-ascend)."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from matrix import PLUGIN_BUILDS, REPORT_DIR, slug
+
+    return [json.loads((REPORT_DIR / f"{slug(label)}.json").read_text())
+            for label in PLUGIN_BUILDS if (REPORT_DIR / f"{slug(label)}.json").exists()]
 
 
 def _between(text: str, begin: str, end: str, body: str) -> str:
