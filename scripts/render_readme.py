@@ -5,6 +5,7 @@ fails when one is stale."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -36,12 +37,19 @@ def compat_table() -> str:
         release_fingerprints,
     )
 
+    matrix = _matrix()
     plugins = plugin_reports()
+    checked = {rel: json.loads(path.read_text()) for rel in RELEASES
+               if (path := matrix.REPORT_DIR / f"{matrix.slug(rel)}.json").exists()}
     heads = list(RELEASES) + [f"{r['release']} ({r['platform']})" for r in plugins]
     lines = ["| patch | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for p in all_patches():
+        # the declarations' verdict, then how the matrix checked it there
+        # (reports/matrix: [e2e], [self-check])
         cells = [compat_cell(evaluate_row(p, release_fingerprints(p, rel),
                                           release_environment(rel)))
+                 + (matrix.evidence(p.id, checked[rel]["patches"].get(p.id, {}),
+                                    checked[rel]["level"]) if rel in checked else "")
                  for rel in RELEASES]
         cells += [_PLUGIN_CELL[r["patches"][p.id]["state"]].format(r["release"].rpartition(" ")[0])
                   for r in plugins]
@@ -56,15 +64,19 @@ _PLUGIN_CELL = {"carried": "carried by {}", "not-needed": "not needed",
                 "applies": "applies (on a verified vLLM)"}
 
 
+def _matrix():
+    """scripts/matrix.py (the reports' paths and evidence marks)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import matrix
+
+    return matrix
+
+
 def plugin_reports() -> list[dict]:
     """The committed reports of the platform plugins' wheels (vllm-ascend)."""
-    import json
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from matrix import PLUGIN_BUILDS, REPORT_DIR, slug
-
-    return [json.loads((REPORT_DIR / f"{slug(label)}.json").read_text())
-            for label in PLUGIN_BUILDS if (REPORT_DIR / f"{slug(label)}.json").exists()]
+    m = _matrix()
+    return [json.loads((m.REPORT_DIR / f"{m.slug(label)}.json").read_text())
+            for label in m.PLUGIN_BUILDS if (m.REPORT_DIR / f"{m.slug(label)}.json").exists()]
 
 
 def _between(text: str, begin: str, end: str, body: str) -> str:
