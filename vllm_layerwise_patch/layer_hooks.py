@@ -12,15 +12,30 @@ metadata) so profile and warm-up runs never touch the connector.  The save runs
 on every normal exit of the body, early returns (idle / warm-up paths with no
 per-layer metadata) included.  A re-entrancy guard makes nested hooked entry
 points (``_forward_core_fused_norm_packed`` -> ``_forward_core``) hook once.
+
+A layer whose state is still written after its forward (Kimi-K3 KDA under
+RecoverSSM: the accepted tokens are folded into the conv/recurrent state by
+``RecoverSSMState.commit_step``, after sampling) passes ``save_after_commit``:
+when it says so for the step's layer metadata, the save is held back
+(:func:`defer_save`) and issued by :func:`flush_deferred_saves`, which the
+``kda-k3-layer-hooks`` patch calls right after ``commit_step`` - still
+before the connector's ``wait_for_save`` (vLLM runs ``postprocess_state``
+before ``post_forward`` / ``finalize_step``, 0.30-0.34).  A held save whose
+commit never ran (a capture or placeholder step) is dropped, never issued on
+an uncommitted state: the connector then has no save of that layer for
+that step (a pool writes no commit marker for its blocks).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from .copy_protocol import COMPUTE_START, active_connector
+
+logger = logging.getLogger("vllm.layerwise_patch")
 
 _local = threading.local()
 
@@ -56,8 +71,11 @@ def _layer_metadata(attn_metadata: Any, layer_name: str) -> Any:
     return attn_metadata
 
 
-def call_with_hooks(layer_name: str, kv_cache: Any, body: Callable[[], Any]) -> Any:
-    """Run ``body()`` between the connector's wait and save for ``layer_name``."""
+def call_with_hooks(layer_name: str, kv_cache: Any, body: Callable[[], Any],
+                    save_after_commit: Callable[[Any], bool] | None = None) -> Any:
+    """Run ``body()`` between the connector's wait and save for ``layer_name``
+    (the save held back until :func:`flush_deferred_saves` when
+    ``save_after_commit(layer_metadata)`` is true)."""
     active = _active_layers()
     if layer_name in active:  # nested entry point of the same layer
         return body()
@@ -65,6 +83,7 @@ def call_with_hooks(layer_name: str, kv_cache: Any, body: Callable[[], Any]) -> 
     if ctx is None:
         return body()
     connector, attn_metadata = ctx
+    _drop_stale_saves(attn_metadata)
     active.add(layer_name)
     try:
         connector.wait_for_layer_load(layer_name)
@@ -74,8 +93,79 @@ def call_with_hooks(layer_name: str, kv_cache: Any, body: Callable[[], Any]) -> 
         result = body()
     finally:
         active.discard(layer_name)
-    connector.save_kv_layer(layer_name, kv_cache, _layer_metadata(attn_metadata, layer_name))
+    layer_md = _layer_metadata(attn_metadata, layer_name)
+    if save_after_commit is not None and save_after_commit(layer_md):
+        defer_save(connector, layer_name, kv_cache, layer_md, attn_metadata)
+    else:
+        connector.save_kv_layer(layer_name, kv_cache, layer_md)
     return result
+
+
+# -- saves held until the state is committed (RecoverSSM) ---------------------
+
+def _pending() -> list[tuple[Any, str, Any, Any, Any]]:
+    pending = getattr(_local, "pending", None)
+    if pending is None:
+        pending = _local.pending = []
+    return pending
+
+
+def defer_save(connector: Any, layer_name: str, kv_cache: Any, layer_md: Any,
+               step_metadata: Any) -> None:
+    """Hold ``layer_name``'s save until :func:`flush_deferred_saves`."""
+    _pending().append((connector, layer_name, kv_cache, layer_md, step_metadata))
+
+
+def pending_saves() -> list[str]:
+    """The layers whose save is held (this thread)."""
+    return [name for _, name, _, _, _ in _pending()]
+
+
+def pending_saves_clear() -> None:
+    """Forget the held saves without issuing them (tests, self-checks)."""
+    _pending().clear()
+
+
+_dropped_logged = False
+
+
+def _drop(reason: str) -> None:
+    global _dropped_logged
+    pending = _pending()
+    if pending and not _dropped_logged:
+        _dropped_logged = True
+        logger.warning("vllm-layerwise-patch: %d held layer save(s) dropped (%s): %s",
+                       len(pending), reason, ", ".join(n for _, n, _, _, _ in pending))
+    pending.clear()
+
+
+def _drop_stale_saves(attn_metadata: Any) -> None:
+    """A new step's first hook: saves held by another step were never committed."""
+    pending = _pending()
+    if pending and pending[0][4] is not attn_metadata:
+        _drop("the state they were held for was never committed")
+
+
+def flush_deferred_saves(committed: bool) -> list[str]:
+    """Issue the held saves (``committed``: the state they wait for is now
+    final), or drop them; returns the layers saved.  A save is issued only
+    to the connector that is still active and still has its metadata."""
+    pending = _pending()
+    if not committed:
+        _drop("no RecoverSSM commit ran for their step")
+        return []
+    saved = []
+    current = active_connector()
+    for connector, name, kv_cache, layer_md, _ in pending:
+        if connector is current and connector.has_connector_metadata():
+            connector.save_kv_layer(name, kv_cache, layer_md)
+            saved.append(name)
+    dropped = len(pending) - len(saved)
+    pending.clear()
+    if dropped:
+        logger.warning("vllm-layerwise-patch: %d held layer save(s) dropped: the "
+                       "connector lost its metadata before the commit", dropped)
+    return saved
 
 
 def method_wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:

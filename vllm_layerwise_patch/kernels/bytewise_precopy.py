@@ -1,8 +1,9 @@
 """Byte-wise mamba "align" pre-copy kernel (drop-in for vLLM's fused pre-copy).
 
 ``precopy_mamba_align_bytewise_kernel`` takes exactly the launch contract of
-``vllm.v1.worker.mamba_utils.precopy_mamba_align_fused_kernel`` on vLLM 0.30-0.33
-(parameter names, order, constexprs and defaults; grid
+``vllm.v1.worker.mamba_utils.precopy_mamba_align_fused_kernel`` on vLLM 0.30-0.34
+(parameter names, order, constexprs and defaults - 0.34's
+``ZERO_TEMPORAL_TOKEN_BIAS`` included, default False as there; grid
 ``(num_reqs, num_states[, TEMPORAL_TILES])``) and copies the same bytes, but:
 
 * every global load/store of state bytes is ``uint8`` (upstream vectorises the
@@ -15,8 +16,12 @@
 Per program ``(batch_idx, state_idx, tile_idx)`` (``req = idx_mapping[batch_idx]``
 when ``HAS_IDX_MAPPING``, else ``batch_idx``; nothing happens when
 ``batch_idx >= num_reqs``, ``req < 0``, ``src_col < 0`` or ``src_col == dst_col``;
-``bt`` is row ``req`` of the block table of the state's group, block ids are
-widened to int64 before they are multiplied by the block stride):
+``bt`` is row ``req`` of the block table of the state's group - row
+``batch_idx`` with ``BLOCK_TABLE_ROW_IS_BATCH``, the semantics of vLLM
+0.30/0.31, whose context holds batch-order tables; block ids are widened to
+int64 before they are multiplied by the block stride; with
+``ZERO_TEMPORAL_TOKEN_BIAS`` the temporal copy ignores the bias, as vLLM
+0.34 does for ReplaySSM contexts):
 
 ================  ==========================================  ===========================
 branch            source                                      bytes copied
@@ -44,7 +49,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["precopy_mamba_align_bytewise_kernel"]
+__all__ = ["BatchRowLauncher", "precopy_mamba_align_bytewise_kernel"]
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -67,7 +72,9 @@ def precopy_mamba_align_bytewise_kernel(
     COPY_BLOCK_SIZE: tl.constexpr,
     CONV_STATE_DIM_FIRST: tl.constexpr,
     HAS_IDX_MAPPING: tl.constexpr = True,
+    ZERO_TEMPORAL_TOKEN_BIAS: tl.constexpr = False,
     TEMPORAL_TILES: tl.constexpr = 1,
+    BLOCK_TABLE_ROW_IS_BATCH: tl.constexpr = False,
 ):
     batch_idx = tl.program_id(0)
     state_idx = tl.program_id(1)
@@ -95,8 +102,12 @@ def precopy_mamba_align_bytewise_kernel(
 
     # The only two address casts of the kernel, both on scalars, both hoisted.
     table_addr = tl.load(block_table_ptrs_ptr + group)
+    if BLOCK_TABLE_ROW_IS_BATCH:
+        table_row = batch_idx.to(tl.int64)
+    else:
+        table_row = req_idx.to(tl.int64)
     bt_row = table_addr.to(tl.pointer_type(tl.int32)) + (
-        req_idx.to(tl.int64) * block_table_stride_req
+        table_row * block_table_stride_req
     )
     state_bytes = tl.load(state_base_addrs_ptr + state_idx).to(
         tl.pointer_type(tl.uint8)
@@ -159,7 +170,10 @@ def precopy_mamba_align_bytewise_kernel(
     # Temporal state: the block of the accepted speculative column replaces
     # the destination block.  Only the natural data (inner * elem bytes) is
     # copied: the block stride may include page padding.
-    src_block = tl.load(bt_row + src_col + bias).to(tl.int64)
+    if ZERO_TEMPORAL_TOKEN_BIAS:
+        src_block = tl.load(bt_row + src_col).to(tl.int64)
+    else:
+        src_block = tl.load(bt_row + src_col + bias).to(tl.int64)
     src_base = src_block * block_stride
     n_bytes = inner * elem
     # Bytes per tile, rounded up to whole COPY_BLOCK_SIZE steps.  (Plain
@@ -174,3 +188,22 @@ def precopy_mamba_align_bytewise_kernel(
         m = k < end
         v = tl.load(state_bytes + (src_base + k), mask=m)
         tl.store(state_bytes + (dst_base + k), v, mask=m)
+
+
+class BatchRowLauncher:
+    """``kernel`` launched with ``BLOCK_TABLE_ROW_IS_BATCH=True``: the object
+    installed as vLLM 0.30/0.31's ``precopy_mamba_align_fused_kernel`` (their
+    kernel reads block-table row ``batch_idx``; ``kernel[grid](...)`` callers
+    pass no such argument)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            kwargs.setdefault("BLOCK_TABLE_ROW_IS_BATCH", True)
+            return launch(*args, **kwargs)
+
+        return run

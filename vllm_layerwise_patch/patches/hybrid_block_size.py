@@ -80,28 +80,48 @@ def _needed(env: Environment) -> str | None:
 def _self_check() -> str:
     import os
 
-    from vllm.config import CacheConfig, VllmConfig
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+    from vllm.platforms import current_platform
+
+    from ..registry import unwrap_ours
 
     cache = CacheConfig(block_size=640)
     cache.user_specified_block_size = False
     cache.mamba_block_size = 640
     cache.mamba_page_size_padded = 163840
+    extra = {}
+    if not getattr(current_platform, "device_type", ""):
+        # a GPU build on a machine without its device (the version matrix's
+        # import level): vLLM cannot infer a device; name one
+        extra["device_config"] = DeviceConfig(device="cpu")
     # Only the block-size path is under test: keep the runner choice (which
     # validates Triton availability, reported by doctor's config checks) out.
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     try:
-        VllmConfig(cache_config=cache)
+        config = VllmConfig(cache_config=cache, **extra)
+        assert cache.block_size == 640, (
+            f"aligned block_size 640 became {cache.block_size} on VllmConfig rebuild"
+        )
+        assert cache.mamba_page_size_padded == 163840
+        # what this platform does without the wrapper: vLLM's own __post_init__
+        # run again on the same config
+        original = unwrap_ours(vars(VllmConfig)["__post_init__"])
+        try:
+            original(config)
+            unpatched = cache.block_size
+        except Exception as exc:  # a second post-init this release refuses
+            unpatched = f"not measured ({type(exc).__name__})"
+        finally:
+            cache.block_size = 640
     finally:
         if saved is None:
             os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
         else:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
-    assert cache.block_size == 640, (
-        f"aligned block_size 640 became {cache.block_size} on VllmConfig rebuild"
-    )
-    assert cache.mamba_page_size_padded == 163840
-    return "aligned block_size 640 survives VllmConfig.__post_init__"
+    platform = type(current_platform).__name__
+    return (f"aligned block_size 640 survives VllmConfig.__post_init__ ({platform}; "
+            f"without the patch: {unpatched})")
 
 
 PATCH = Patch(

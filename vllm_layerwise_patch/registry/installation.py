@@ -111,8 +111,12 @@ class Installer:
 
     resolve_parent = staticmethod(resolve_parent)
 
-    def __init__(self, patch: Patch) -> None:
+    def __init__(self, patch: Patch, release: str | None = None) -> None:
         self.patch = patch
+        #: the verified release whose sources the live ones matched (None
+        #: when forced): a patch whose replacement differs per release
+        #: (bytewise-precopy-kernel) chooses by it
+        self.release = release
         self.installed: list[_Installed] = []
 
     def _record(self, parent: Any, attr: str) -> None:

