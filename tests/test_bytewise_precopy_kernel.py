@@ -229,8 +229,6 @@ def _run_interpreted(body: str, timeout: float = 400) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("dim_first", [False, True], ids=["SD", "DS"])
-
 def check_random_cases(res: dict, dim_first: bool, seeds: int = SEEDS) -> None:
     """A random-case comparison's result: no difference, most cases moved
     bytes, and every path of the kernel was exercised (shared with
@@ -246,6 +244,8 @@ def check_random_cases(res: dict, dim_first: bool, seeds: int = SEEDS) -> None:
     missing = needed - {k for k, v in res["cov"].items() if v > 0}
     assert not missing, (missing, res["cov"])
 
+
+@pytest.mark.parametrize("dim_first", [False, True], ids=["SD", "DS"])
 def test_byte_identical_to_upstream(dim_first):
     res = _run_interpreted(f"""
         import time

