@@ -14,7 +14,7 @@ import os
 
 import _results
 
-from vllm_layerwise_patch.bench.transfer import run
+from vllm_layerwise_patch.bench.transfer import run, save_parts
 
 
 def main() -> None:
@@ -31,8 +31,9 @@ def main() -> None:
     # the worker skips the checksum when the lookup verified it (the default)
     results = [run(l, b, p, args.repeats, prefetch=2, threads=2, check_crc=crc)
                for l, b, p in cases for crc in (False, True)]
+    parts = save_parts(8, 16, 2 << 20, args.repeats)
     _results.write(args.out, "pool transfer path (LayerwisePipeline + LMDB) vs memcpy",
-                   results)
+                   results, save_parts=parts)
     for r in results:
         print(f"{r['layers']} layers x {r['blocks']} blocks x {r['page_bytes']} B "
               f"(load crc {'on' if r['load_checks_crc'] else 'off'}): "
@@ -40,6 +41,10 @@ def main() -> None:
               f"memcpy {r['GB_per_s']['memcpy']} GB/s "
               f"(save {r['ratio_to_memcpy']['save']:.2f}x, load "
               f"{r['ratio_to_memcpy']['load']:.2f}x of memcpy)")
+    for mode in ("default", "writemap"):
+        t = parts[mode]["times_memcpy"]
+        print(f"save parts, 2 MiB pages, LMDB {mode}: packing {t['pack']}x a memcpy's time, "
+              f"the write {t['write']}x")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ def _r(avg, p50=None, wait=0.0, requests=4):
             "hit_rate": {"hbm": 0.0, "external": 0.5}, "input_tokens_per_s": 100.0,
             "load": {"GB": 1.0, "seconds": 2.0, "GB_per_s": 0.5, "exposed_wait_fraction": 0.1},
             "forward_wait_s": wait, "save": {"GB": 1.0, "seconds": 4.0},
-            "tokens_equal_hbm": True}
+            "same_tokens_as_hbm": 4}
 
 
 RESULTS = {

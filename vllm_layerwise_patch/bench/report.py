@@ -91,7 +91,7 @@ def markdown(doc: dict[str, Any]) -> str:
     for scenario, by_config in doc["results"].items():
         lines += [f"## Scenario `{scenario}`", "",
                   "| config | TTFT avg | p50 | p90 | p99 (s) | HBM hit | external hit | "
-                  "input tok/s | exposed wait | load GB/s | save GB/s | tokens = hbm |",
+                  "input tok/s | exposed wait | load GB/s | save GB/s | same tokens as hbm |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for config, r in by_config.items():
             if r.get("error"):
@@ -104,7 +104,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{_fmt(r['input_tokens_per_s'], 0)} | "
                 f"{_fmt(ld['exposed_wait_fraction'], 2)} | {_fmt(ld['GB_per_s'], 2)} | "
                 f"{_fmt(_gbps(r.get('save')), 2)} | "
-                f"{'yes' if r.get('tokens_equal_hbm') else 'no'} |")
+                f"{_fmt(r.get('same_tokens_as_hbm'))}/{r['requests']} |")
         rt = doc["ratios"][scenario]
         lines += ["", "Ratios (TTFT p50): " + ", ".join(
             f"{k.replace('_', ' ')} {_fmt(v)}" for k, v in rt.items() if v is not None), ""]

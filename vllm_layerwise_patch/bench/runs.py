@@ -33,7 +33,6 @@ from typing import Any
 from ..testing.engines import EngineRun, engine_env, kv_metrics
 from .workload import Workload
 
-WARMUP = {"prefix": [200, 999_999]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +108,8 @@ class Setup:
         spec = {"model": self.model, "pool": self.pool(config, pool_path or ""),
                 "llm": self.llm(config, scenario), "max_tokens": self.workload.output_len,
                 "logprobs": False, "base": "cpu" if self.cpu else "none",
-                "role": config.role, "phases": [{"prompts": [WARMUP]}] + phases}
+                "role": config.role,
+                "phases": [{"prompts": self.workload.warmup(), "batch": True}] + phases}
         env = engine_env(config.patches)
         if self.cpu and self.torch_precopy:
             env["VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY"] = "1"

@@ -74,3 +74,52 @@ def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, thread
         "GB_per_s": {k: round(gb / v, 3) for k, v in med.items()},
         "ratio_to_memcpy": {k: round(med["memcpy"] / med[k], 3) for k in ("save", "load")},
     }
+
+
+def save_parts(layers: int, blocks: int, page: int, repeats: int) -> dict:
+    """Where the save path's time goes, on the caller's thread: packing the
+    pages (one copy into the arena and the checksum) and the backend write
+    (one LMDB transaction), each against a memcpy of the same bytes, with
+    LMDB's default mapping and with ``writemap`` (puts straight into the
+    mapped file; not what the pool uses, see README)."""
+    import functools
+
+    import lmdb
+
+    from ..pool.saving import PackArena
+
+    pages = [torch.randint(0, 256, (blocks, page), dtype=torch.uint8) for _ in range(layers)]
+    dest = [torch.empty_like(p) for p in pages]
+    out: dict = {"bytes_per_pass": layers * blocks * page, "page_bytes": page}
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    original = lmdb.open
+    for writemap in (False, True):
+        path = tempfile.mkdtemp(prefix="vlp-bench-", dir=shm)
+        lmdb.open = functools.partial(original, writemap=True) if writemap else original
+        try:
+            be = LmdbBackend(path, layers * blocks * page * (repeats + 2), pin_seconds=0)
+        finally:
+            lmdb.open = original
+        arena = PackArena(NS)
+        times: dict[str, list[float]] = {"memcpy": [], "pack": [], "write": []}
+        for r in range(repeats + 1):  # the first round warms up
+            t0 = time.perf_counter()
+            for d, p in zip(dest, pages):
+                d.copy_(p)
+            t1 = time.perf_counter()
+            items = [(f"{r}/{i}/{b}".encode(), arena.pack(p[b]))
+                     for i, p in enumerate(pages) for b in range(blocks)]
+            t2 = time.perf_counter()
+            be.put_many(items)
+            t3 = time.perf_counter()
+            arena.reset()
+            if r:
+                for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                    times[k].append(v)
+        be.close()
+        shutil.rmtree(path, ignore_errors=True)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out["writemap" if writemap else "default"] = {
+            "median_seconds": med,
+            "times_memcpy": {k: round(med[k] / med["memcpy"], 2) for k in ("pack", "write")}}
+    return out

@@ -52,6 +52,13 @@ class Workload:
         """One request per shared prefix (prefix + a short unique tail)."""
         return [dict(self.prefix(k), suffix=[16, 30_000 + k]) for k in range(self.prefixes)]
 
+    def warmup(self) -> list[dict[str, Any]]:
+        """What every engine serves first, unrelated to the trace: as many
+        prompts as the fill, of the full input length, so that every
+        configuration's engine is equally warm (its KV cache memory touched,
+        its code paths run) - a fresh engine's first large prefill is slower."""
+        return [{"prefix": [self.input_len, 90_000 + k]} for k in range(self.prefixes)]
+
     @property
     def prompt_tokens(self) -> int:
         return self.requests * self.input_len
