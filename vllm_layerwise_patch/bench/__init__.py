@@ -29,8 +29,9 @@ NOTES_CPU = [
     "Two cores serve the engine and the pool's load threads: loads compete "
     "with compute here; on a GPU machine they overlap it (see "
     "`benchmarks/bench_gpu_pipeline.py` for the exposed transfer time).",
-    "Every TTFT counts from the request's arrival: all requests arrive at once "
-    "and at most `concurrency` run together, so later ones include queueing.",
+    "Every TTFT counts from the request's arrival: with concurrency > 1 all "
+    "requests arrive at once and at most `concurrency` run together, so later "
+    "ones include queueing; with concurrency 1 they are served one after another.",
     "Same tokens as hbm: requests whose greedy tokens equal the HBM run's. "
     "Where a configuration schedules requests differently (no prefix cache, "
     "async loads park requests), batches differ and the tiny random model's "

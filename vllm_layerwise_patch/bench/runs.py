@@ -131,15 +131,18 @@ def serve(setup: Setup, config: Config, scenario: str) -> list[dict[str, Any]]:
     phases count (phase numbers > 0 in their outputs)."""
     w = setup.workload
     trace = w.trace()
+    # concurrency 1: one request after another, so each TTFT is its own
+    # (with more, all arrive at once and queue)
+    batch = w.concurrency > 1
     pool = os.path.join(setup.work, f"pool-{scenario}-{config.name}-{setup.torch_precopy}")
     if scenario == "restart":
         half = len(trace) // 2
         results = []
         for part in (trace[:half], trace[half:]):  # a new process: the restart
-            results.append(setup.engine(config, scenario, [{"prompts": part, "batch": True}],
+            results.append(setup.engine(config, scenario, [{"prompts": part, "batch": batch}],
                                         pool).result())
         return results
-    phases = [{"prompts": trace, "batch": True}]
+    phases = [{"prompts": trace, "batch": batch}]
     if config.pool:
         filled = os.path.join(setup.work, f"filled-{scenario}")
         if not os.path.exists(filled):
