@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             doc = run_server(model, workload, work, cpu=not ns.gpu, configs=only)
         else:
             doc = _run_engines(ns, model, workload, scenarios, work)
-        doc["model"] = {"path": model, "description": description,
+        doc["model"] = {"path": model if ns.model != "tiny" else "tiny (built in a temporary "
+                        "directory)", "description": description,
                         "note": "" if ns.gpu else _size_note(doc, workload)}
         doc["machine"] = f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
         _write(doc, ns.out)
