@@ -177,6 +177,12 @@ def _output(o: Any, probe: list | None, max_tokens: int) -> dict[str, Any]:
     return {"tokens": list(c.token_ids), "cached": o.num_cached_tokens,
             "prompt_tokens": len(o.prompt_token_ids or []),
             "ttft": getattr(metrics, "first_token_latency", None),
+            # engine-core time from queued to first scheduled, and from
+            # first scheduled to the first token
+            "waited": (metrics.scheduled_ts - metrics.queued_ts
+                       if metrics is not None and getattr(metrics, "scheduled_ts", 0) else None),
+            "prefill": (metrics.first_token_ts - metrics.scheduled_ts
+                        if metrics is not None and getattr(metrics, "scheduled_ts", 0) else None),
             # mean time per output token after the first (the per-step cost)
             "tpot": ((metrics.last_token_ts - metrics.first_token_ts) / (len(c.token_ids) - 1)
                      if metrics is not None and len(c.token_ids) > 1
