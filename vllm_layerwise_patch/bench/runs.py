@@ -12,7 +12,7 @@ run; every engine is its own process (``testing.engines``).
   forward;
 * ``pool-async``: vLLM's asynchronous external load (``load_async``: the
   request waits, outside the forward, until all its layers are loaded; then
-  it computes like an HBM hit) - when the installed connector offers it;
+  it computes like an HBM hit);
 * with ``latency_ms``: ``pool-layerwise+latency``, ``pool-bulk+latency``
   add that much to every layer's load (a slow backend): the layerwise path
   hides it behind compute, the bulk path waits for all of it.
@@ -46,20 +46,12 @@ class Config:
     load_async: bool = False
 
 
-def async_available() -> bool:
-    """Whether the installed connector offers asynchronous loads."""
-    from ..pool.config import PoolConfig
-
-    return "load_async" in PoolConfig.model_fields
-
-
 def configs(latency_ms: float, only: list[str] | None = None) -> list[Config]:
     out = [Config("no-prefix-cache", prefix_caching=False), Config("hbm"),
            Config("pool-layerwise", pool=True, patches="1"),
            Config("pool-layerwise-nosave", pool=True, patches="1", role="kv_consumer"),
-           Config("pool-bulk", pool=True)]
-    if async_available():
-        out.append(Config("pool-async", pool=True, patches="1", load_async=True))
+           Config("pool-bulk", pool=True),
+           Config("pool-async", pool=True, patches="1", load_async=True)]
     if latency_ms:
         out += [Config("pool-layerwise+latency", pool=True, patches="1", latency_ms=latency_ms),
                 Config("pool-bulk+latency", pool=True, latency_ms=latency_ms)]
