@@ -484,6 +484,17 @@ def _store(sched, hashes, blocks, kind):
     sched.backend.put_many(items)
 
 
+def _committed(sched, n):
+    """The hashes of ``n`` blocks whose attention pages and boundary states
+    ``sched``'s pool now holds."""
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE
+
+    hashes = [bytes([i]) * 8 for i in range(n)]
+    _store(sched, hashes, range(n), ATTN)
+    _store(sched, hashes, range(n), STATE)
+    return hashes
+
+
 def _req(hashes, num_tokens, rid="r"):
     return types.SimpleNamespace(block_hashes=hashes, num_tokens=num_tokens, request_id=rid)
 
@@ -493,13 +504,8 @@ def stored(tmp_path):
     """A scheduler (block 4 tokens, one attention and one state layer) and
     the hashes of 4 blocks whose attention pages and boundary states are all
     committed."""
-    from vllm_layerwise_patch.pool.keys import ATTN, STATE
-
     sched = _scheduler(tmp_path)
-    hashes = [bytes([i]) * 8 for i in range(4)]
-    _store(sched, hashes, range(4), ATTN)
-    _store(sched, hashes, range(4), STATE)
-    return sched, hashes
+    return sched, _committed(sched, 4)
 
 
 def test_lookup_ends_at_the_last_stored_boundary_state(tmp_path):
@@ -613,8 +619,6 @@ def test_repeated_lookups_of_a_cached_prefix_make_no_backend_call(stored):
 
 
 def test_a_block_another_process_saves_after_a_cached_miss_hits_next_time(stored):
-    from vllm_layerwise_patch.pool.keys import ATTN, STATE
-
     sched, hashes = stored
     more = hashes + [bytes([9]) * 8]
     req = _req(more, 5 * 4 + 1)
@@ -834,9 +838,7 @@ def test_async_hit_is_loaded_outside_the_forward_and_keeps_its_pins(tmp_path):
     from vllm_layerwise_patch.pool.keys import ATTN, STATE, group_key
 
     sched = _scheduler(tmp_path, load_async=True)
-    hashes = [bytes([i]) * 8 for i in range(3)]
-    _store(sched, hashes, range(3), ATTN)
-    _store(sched, hashes, range(3), STATE)
+    hashes = _committed(sched, 3)
     req = _req(hashes, 3 * 4 + 1, rid="a")
     assert sched.get_num_new_matched_tokens(req, 4) == (8, True)
     blocks = types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 0], [0, 0, 11, 0]))
@@ -863,12 +865,8 @@ def test_async_hit_is_loaded_outside_the_forward_and_keeps_its_pins(tmp_path):
 
 
 def test_failed_async_load_is_not_looked_up_again(tmp_path):
-    from vllm_layerwise_patch.pool.keys import ATTN, STATE
-
     sched = _scheduler(tmp_path, load_async=True)
-    hashes = [bytes([i]) * 8 for i in range(3)]
-    _store(sched, hashes, range(3), ATTN)
-    _store(sched, hashes, range(3), STATE)
+    hashes = _committed(sched, 3)
     req = _req(hashes, 3 * 4 + 1, rid="a")
     assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
     sched.update_connector_output(types.SimpleNamespace(
