@@ -22,7 +22,7 @@ RESULTS = {
     "default": {"hbm": _r(1.0), "pool-layerwise": _r(1.6, wait=0.4),
                 "pool-layerwise-nosave": _r(1.3), "pool-bulk": _r(2.0),
                 "no-prefix-cache": _r(3.2)},
-    "default+torch-precopy": {"hbm": _r(0.9), "pool-layerwise": _r(1.1)},
+    "default+torch-kernels": {"hbm": _r(0.9), "pool-layerwise": _r(1.1)},
 }
 
 
@@ -39,10 +39,10 @@ def test_breakdown_parts_add_up_to_the_gap():
     assert b["gap"] == pytest.approx(0.6)
     assert b["saves"] == pytest.approx(0.3)  # layerwise minus its kv_consumer twin
     assert b["exposed_load_wait"] == pytest.approx(0.1)  # 0.4 s over 4 requests
-    assert b["interpreted_precopy"] == pytest.approx(0.6 - 0.2)  # gap minus torch's gap
+    assert b["interpreted_kernels"] == pytest.approx(0.6 - 0.2)  # gap minus torch's gap
     assert b["rest"] == pytest.approx(0.6 - 0.3 - 0.1 - 0.4)
     # a scenario without the torch twin has no pre-copy part
-    assert breakdown(RESULTS)["default+torch-precopy"]["interpreted_precopy"] is None
+    assert breakdown(RESULTS)["default+torch-kernels"]["interpreted_kernels"] is None
 
 
 def test_summary_names_every_configuration_and_reports_errors():

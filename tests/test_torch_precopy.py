@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve()
 CASES = HERE.parent / "test_bytewise_precopy_kernel.py"
 MODULE = HERE.parents[1] / "vllm_layerwise_patch" / "testing" / "torch_precopy.py"
 ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY"
+ZEROING_ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING"
 SEEDS = 8  # per layout; each seed runs TEMPORAL_TILES 1/16 x with/without idx mapping
 
 _PRELUDE = f"""
@@ -346,7 +347,8 @@ GDN_LAYERS = 3
 
 
 def test_engine_tokens_identical_with_torch_precopy(tiny_model_dir, tmp_path):
-    """One engine per kernel, the pool connector's layerwise path on: P (2000
+    """One engine per kernel (the torch one also zeroes new KV blocks with the
+    host stand-in), the pool connector's layerwise path on: P (2000
     tokens) fills the pool; with vLLM's prefix cache reset before each prompt
     PA then hits P's 1280 checkpoint and P its 1920 one, loaded from the
     pool and moved by the deferred per-layer pre-copies.  Tokens, logprobs
@@ -361,7 +363,8 @@ def test_engine_tokens_identical_with_torch_precopy(tiny_model_dir, tmp_path):
         return res, time.perf_counter() - t0
 
     interp, t_interp = serve("interpreted")
-    torch_, t_torch = serve("torch", **{ENV: "1"})
+    # the zeroing stand-in too (tests/test_torch_zeroing.py proves its bytes)
+    torch_, t_torch = serve("torch", **{ENV: "1", ZEROING_ENV: "1"})
     for res in (interp, torch_):
         assert res["error"] is None, (res["error"], res["log"][-3000:])
         assert "layerwise loads and saves" in res["log"], res["log"][-3000:]
@@ -376,6 +379,9 @@ def test_engine_tokens_identical_with_torch_precopy(tiny_model_dir, tmp_path):
     assert summary, torch_["log"][-3000:]
     launches, moved, ms = int(summary[1]), int(summary[2]), float(summary[3])
     assert moved > 0 and launches % GDN_LAYERS == 0, summary[0]
+    zeroing = re.search(r"host zeroing: (\d+) launches, (\d+) bytes written", torch_["log"])
+    assert zeroing and int(zeroing[1]) > 0 and int(zeroing[2]) > 0, torch_["log"][-3000:]
+    assert "host zeroing" not in interp["log"]
     steps = launches // GDN_LAYERS  # the layerwise path: one launch per GDN layer per step
 
     def serving(res: dict) -> float | None:

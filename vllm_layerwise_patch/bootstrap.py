@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .envvars import CPU_TORCH_PRECOPY_ENV, CPU_V2_ENV, ENV, flag, is_off
+from .envvars import CPU_TORCH_PRECOPY_ENV, CPU_TORCH_ZEROING_ENV, CPU_V2_ENV, ENV, flag, is_off
 
 # site may process the same site-packages twice (a venv's lib64 -> lib link):
 # boot once per process.
@@ -32,9 +32,15 @@ def boot() -> None:
                 from .testing.torch_precopy_install import install_on_import
 
                 install_on_import()
-        elif flag(CPU_TORCH_PRECOPY_ENV):
-            print(f"vllm-layerwise-patch: {CPU_TORCH_PRECOPY_ENV} ignored: it needs "
-                  f"{CPU_V2_ENV}=1 (the CPU emulation)", file=sys.stderr)
+            if flag(CPU_TORCH_ZEROING_ENV):
+                from .testing.torch_zeroing import install_on_import as install_zeroing
+
+                install_zeroing()
+        else:
+            for name in (CPU_TORCH_PRECOPY_ENV, CPU_TORCH_ZEROING_ENV):
+                if flag(name):
+                    print(f"vllm-layerwise-patch: {name} ignored: it needs "
+                          f"{CPU_V2_ENV}=1 (the CPU emulation)", file=sys.stderr)
         if not is_off(os.environ.get(ENV)):
             from .activation import activate
 

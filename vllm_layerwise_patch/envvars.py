@@ -20,6 +20,9 @@ CPU_V2_ENV = "VLLM_LAYERWISE_PATCH_CPU_V2"
 #: With ``CPU_V2_ENV``: vLLM's mamba pre-copy kernel runs as torch, not in the
 #: Triton interpreter (``testing.torch_precopy``; CPU benchmarks and tests).
 CPU_TORCH_PRECOPY_ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY"
+#: With ``CPU_V2_ENV``: vLLM's KV-block zeroing kernel runs as ``memset``, not
+#: in the Triton interpreter (``testing.torch_zeroing``; CPU benchmarks and tests).
+CPU_TORCH_ZEROING_ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING"
 REPORT_DIR_ENV = "VLLM_LAYERWISE_PATCH_REPORT_DIR"
 
 TRUE_VALUES = ("1", "true", "yes", "on")
@@ -113,6 +116,9 @@ def markdown_table() -> str:
         (CPU_TORCH_PRECOPY_ENV, f"{_spell(TRUE_VALUES)} (unset: off)",
          f"with `{CPU_V2_ENV}`: vLLM's mamba pre-copy kernel runs as a byte-identical torch "
          "copy instead of in the Triton interpreter (CPU benchmarks)"),
+        (CPU_TORCH_ZEROING_ENV, f"{_spell(TRUE_VALUES)} (unset: off)",
+         f"with `{CPU_V2_ENV}`: vLLM's KV-block zeroing kernel runs as a byte-identical "
+         "`memset` instead of in the Triton interpreter (CPU benchmarks)"),
     ]
     lines = ["| variable | values | meaning |", "|---|---|---|"]
     lines += [f"| {f'`{name}`' if name else ''} | {values} | {meaning} |"

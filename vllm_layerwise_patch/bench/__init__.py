@@ -23,9 +23,12 @@ from typing import Any
 NOTES_CPU = [
     "On CPU, Model Runner V2 runs under the Triton interpreter: every kernel "
     "launch costs tens of milliseconds, and the layerwise path launches the "
-    "mamba pre-copy once per GDN layer where vLLM launches it once per step. "
-    "Read the ratios, not the seconds, and compare runs with and without "
-    "`VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY=1` (an equivalent torch copy).",
+    "mamba pre-copy once per GDN layer where vLLM launches it once per step, "
+    "and vLLM zeroes a pool hit's blocks (new allocations) where an HBM hit "
+    "reuses its own. Read the ratios, not the seconds, and compare runs with "
+    "and without `VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY=1` and "
+    "`VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING=1` (byte-identical host "
+    "stand-ins: `+torch-kernels`).",
     "Two cores serve the engine and the pool's load threads: loads compete "
     "with compute here; on a GPU machine they overlap it (see "
     "`benchmarks/bench_gpu_pipeline.py` for the exposed transfer time).",
@@ -61,9 +64,10 @@ def _parser() -> argparse.ArgumentParser:
                          "every layer's load (a slow backend)")
     ap.add_argument("--configs", default="",
                     help="comma-separated configurations (default: all; see bench.runs)")
-    ap.add_argument("--cpu-precopy", choices=("triton", "torch", "both"), default="both",
-                    help="CPU: vLLM's mamba pre-copy in the Triton interpreter, as the "
-                         "byte-identical torch copy, or both side by side")
+    ap.add_argument("--cpu-kernels", choices=("triton", "torch", "both"), default="both",
+                    help="CPU: vLLM's mamba pre-copy and KV-block zeroing kernels in the "
+                         "Triton interpreter, as their byte-identical host stand-ins, or "
+                         "both side by side")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8, help="tiny model: layers")
     ap.add_argument("--hidden", type=int, default=256, help="tiny model: hidden size")
@@ -141,16 +145,16 @@ def _run_engines(ns: argparse.Namespace, model: str, workload: Any, scenarios: l
     from .report import breakdown, ratios
     from .runs import Setup, configs, measure, serve
 
-    modes = ["triton"] if ns.gpu else (["triton", "torch"] if ns.cpu_precopy == "both"
-                                        else [ns.cpu_precopy])
+    modes = ["triton"] if ns.gpu else (["triton", "torch"] if ns.cpu_kernels == "both"
+                                        else [ns.cpu_kernels])
     only = [c for c in ns.configs.split(",") if c] or None
     todo = [(s, m, c) for s in scenarios for m in modes for c in configs(ns.latency_ms, only)]
     results: dict[str, dict[str, Any]] = {}
     for scenario, mode, config in tqdm(todo, desc="bench", unit="config"):
         setup = Setup(model=model, work=work, workload=workload, cpu=not ns.gpu,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
-                      torch_precopy=mode == "torch")
-        key = scenario + ("+torch-precopy" if mode == "torch" else "")
+                      torch_kernels=mode == "torch")
+        key = scenario + ("+torch-kernels" if mode == "torch" else "")
         results.setdefault(key, {})[config.name] = measure(serve(setup, config, scenario),
                                                            workload)
     for by_config in results.values():  # outputs: the same tokens as vLLM's own cache?

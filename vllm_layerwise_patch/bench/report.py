@@ -41,8 +41,8 @@ def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float |
     seconds of average TTFT: ``gap`` (pool-layerwise minus hbm), ``saves``
     (what storing the trace's new blocks adds: layerwise minus its
     ``kv_consumer`` twin), ``exposed_load_wait`` (the forward's wait on loads,
-    per request), ``interpreted_precopy`` (on CPU, the gap's part that the
-    torch pre-copy removes: the emulation's per-launch cost) and ``rest``
+    per request), ``interpreted_kernels`` (on CPU, the gap's part that the
+    host pre-copy and zeroing stand-ins remove: the emulation's cost) and ``rest``
     (lookups, metadata, page copies, load threads competing for the cores)."""
     out: dict[str, dict[str, float | None]] = {}
     for key, by_config in results.items():
@@ -53,13 +53,13 @@ def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float |
         r = by_config["pool-layerwise"]
         wait = r["forward_wait_s"] / r["requests"] if r.get("requests") else None
         row = {"gap": lw - hbm, "saves": lw - nosave if nosave is not None else None,
-               "exposed_load_wait": wait, "interpreted_precopy": None}
-        torch_key = key + "+torch-precopy"
+               "exposed_load_wait": wait, "interpreted_kernels": None}
+        torch_key = key + "+torch-kernels"
         if torch_key in results:
             t = results[torch_key]
             t_lw, t_hbm = _avg(t, "pool-layerwise"), _avg(t, "hbm")
             if t_lw is not None and t_hbm is not None:
-                row["interpreted_precopy"] = row["gap"] - (t_lw - t_hbm)
+                row["interpreted_kernels"] = row["gap"] - (t_lw - t_hbm)
         row["rest"] = row["gap"] - sum(v for k, v in row.items()
                                        if k != "gap" and v is not None)
         out[key] = {k: (round(v, 4) if v is not None else None) for k, v in row.items()}
@@ -155,7 +155,7 @@ def plots(doc: dict[str, Any], out_dir: str) -> list[str]:
     made = [path]
     bd = {k: v for k, v in (doc.get("breakdown") or {}).items() if v}
     if bd:  # where the pool hit's extra time goes, stacked per scenario
-        parts = ("saves", "exposed_load_wait", "interpreted_precopy", "rest")
+        parts = ("saves", "exposed_load_wait", "interpreted_kernels", "rest")
         fig, ax = plt.subplots(figsize=(max(5, 2.2 * len(bd)), 4))
         bottom_pos, bottom_neg = [0.0] * len(bd), [0.0] * len(bd)
         for part in parts:

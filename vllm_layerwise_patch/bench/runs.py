@@ -17,10 +17,13 @@ run; every engine is its own process (``testing.engines``).
   add that much to every layer's load (a slow backend): the layerwise path
   hides it behind compute, the bulk path waits for all of it.
 
-On CPU each configuration also runs with the torch pre-copy
-(``torch_precopy``): the Triton interpreter's cost per kernel launch is an
-artifact of the emulation, and the layerwise path launches vLLM's mamba
-pre-copy once per linear-attention layer where vLLM launches it once.
+On CPU each configuration also runs with vLLM's mamba pre-copy and KV-block
+zeroing kernels on the host (``torch_kernels``: the byte-identical stand-ins
+of ``testing.torch_precopy`` and ``testing.torch_zeroing``): the Triton
+interpreter's cost per kernel launch is an artifact of the emulation, the
+layerwise path launches the pre-copy once per linear-attention layer where
+vLLM launches it once, and a pool hit's blocks are new allocations that vLLM
+zeroes (~65 ms a block interpreted) where an HBM hit's are not.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class Setup:
     kv_cache_bytes: int | None = None  # None: the emulation's 512 MiB (or vLLM's own)
     working_set_kv_bytes: int = 64 << 20
     pool_capacity: str = "1GiB"
-    torch_precopy: bool = False  # CPU: vLLM's pre-copy kernel as torch
+    torch_kernels: bool = False  # CPU: vLLM's pre-copy and zeroing kernels on the host
 
     def llm(self, config: Config, scenario: str) -> dict[str, Any]:
         kw: dict[str, Any] = {"enable_prefix_caching": config.prefix_caching,
@@ -103,8 +106,9 @@ class Setup:
                 "role": config.role,
                 "phases": [{"prompts": self.workload.warmup(), "batch": True}] + phases}
         env = engine_env(config.patches)
-        if self.cpu and self.torch_precopy:
+        if self.cpu and self.torch_kernels:
             env["VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY"] = "1"
+            env["VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING"] = "1"
         if not self.cpu:
             env.pop("VLLM_LAYERWISE_PATCH_CPU_V2", None)
             env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -126,7 +130,7 @@ def serve(setup: Setup, config: Config, scenario: str) -> list[dict[str, Any]]:
     # concurrency 1: one request after another, so each TTFT is its own
     # (with more, all arrive at once and queue)
     batch = w.concurrency > 1
-    pool = os.path.join(setup.work, f"pool-{scenario}-{config.name}-{setup.torch_precopy}")
+    pool = os.path.join(setup.work, f"pool-{scenario}-{config.name}-{setup.torch_kernels}")
     if scenario == "restart":
         half = len(trace) // 2
         results = []
