@@ -11,7 +11,8 @@ so the file is RAM) with four databases:
   the oldest groups first without scanning or sorting the table;
 * ``pins``: group -> expiry - groups a pending load reads.
 
-A put runs in one write transaction (atomic).  When the map is full, the
+A put runs in one write transaction (atomic), through ``writemap`` when the
+file is preallocated (:mod:`.lmdb_files`).  When the map is full, the
 least recently used unpinned groups are chosen and deleted in one write
 transaction (access times read inside it), then one or two tiny write
 transactions let LMDB reuse the freed pages (it does so only after a later
@@ -39,7 +40,7 @@ from collections.abc import Iterable
 from ..keys import group_of
 from .base import Backend, BackendError, PoolFull
 from .gate import Gate
-from .lmdb_files import open_environment
+from .lmdb_files import file_size, open_environment, unbacked_growth
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -69,24 +70,21 @@ class LmdbBackend(Backend):
     def __init__(self, path: str, capacity_bytes: int, *, evict_fraction: float = 0.1,
                  pin_seconds: float = 30.0, shared_group: str | None = None,
                  preallocate: bool = True) -> None:
-        self.path = path
-        self.capacity = int(capacity_bytes)
-        self.evict_fraction = evict_fraction
-        self.pin_seconds = pin_seconds
-        self.env, self._gen = open_environment(path, self.capacity, shared_group, preallocate)
-        self.data = self.env.open_db(b"data")
-        self.groups = self.env.open_db(b"groups")
-        self.lru = self.env.open_db(b"lru")
-        self.pins = self.env.open_db(b"pins")
+        self.path, self.capacity = path, int(capacity_bytes)
+        self.evict_fraction, self.pin_seconds = evict_fraction, pin_seconds
+        self.env, self._gen, self.writemap = open_environment(
+            path, self.capacity, shared_group, preallocate)
+        # with writemap, a write the file cannot back is a SIGBUS: refuse them
+        self._writes_refused: str | None = None
+        self.data, self.groups, self.lru, self.pins = (
+            self.env.open_db(n) for n in (b"data", b"groups", b"lru", b"pins"))
         self.map_size = self.env.info()["map_size"]
         if self.map_size > self.capacity:
             logger.info("vllm-layerwise-patch pool: %s was opened with a larger capacity "
                         "(%d bytes) by another engine; sharing it", path, self.map_size)
         self._gate = Gate()
         self._lock = threading.Lock()
-        self.evictions = 0
-        self.evicted_groups = 0
-        self.refs = 0
+        self.evictions = self.evicted_groups = self.refs = 0
         self.closed = False
 
     # -- transactions -------------------------------------------------------------
@@ -111,11 +109,15 @@ class LmdbBackend(Backend):
         """Take the map size another process grew the pool to; True if grown."""
         with self._gate.exclusive():
             before = self.env.info()["map_size"]
-            self.env.set_mapsize(0)  # 0: the size recorded in the environment
+            # writemap: never below the file (LMDB would truncate it under other
+            # engines); others' data never lies past it.  0: the recorded size.
+            self.env.set_mapsize(max(before, file_size(self.path)) if self.writemap else 0)
             self.map_size = self.env.info()["map_size"]
         if self.map_size > before:
             logger.info("vllm-layerwise-patch pool: another engine grew %s to %d bytes; "
                         "sharing it", self.path, self.map_size)
+            if self.writemap:
+                self._writes_refused = unbacked_growth(self.path, self.map_size)
             return True
         return False
 
@@ -250,6 +252,8 @@ class LmdbBackend(Backend):
         self.calls["put"] += 1
         import lmdb
 
+        if self._writes_refused:
+            raise PoolFull(self._writes_refused)
         need = sum(len(k) + len(v) for k, v in items)
         if need > self.capacity // 2:
             raise PoolFull(f"a batch of {need} bytes cannot fit a pool of {self.capacity}")
@@ -334,7 +338,8 @@ class LmdbBackend(Backend):
         return {"entries": entries, "groups": groups,
                 "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
                 "map_bytes": info["map_size"], "capacity_bytes": self.capacity,
-                "evictions": self.evictions, "evicted_groups": self.evicted_groups}
+                "evictions": self.evictions, "evicted_groups": self.evicted_groups,
+                "writemap": int(self.writemap)}
 
     def close(self) -> None:
         self.refs -= 1

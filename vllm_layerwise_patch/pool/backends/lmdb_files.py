@@ -1,6 +1,15 @@
 """The LMDB pool's environment, data file and filesystem: opening it safely
 when several processes start together, a capacity the filesystem cannot hold
-refused at startup, and the file given its whole capacity up front."""
+refused at startup, and the file given its whole capacity up front.
+
+A fully preallocated data file is then written through LMDB's ``writemap``:
+values are copied once, straight into the mapped file, where the default
+mode copies each into malloc'd pages and writes those into the file at
+commit (about 3x less time per saved byte on tmpfs once the pool's pages
+have been touched; ``benchmarks/bench_pipeline.py``).  Only then: with
+``writemap``, a write into a part of the file the filesystem cannot back
+is a SIGBUS, not an error - so a file that is not (or can no longer be)
+fully allocated is written the default way, or not at all."""
 
 from __future__ import annotations
 
@@ -33,49 +42,83 @@ def check_space(path: str, capacity: int) -> None:
             "unless started with a larger --shm-size)")
 
 
-def preallocate_file(data: str, size: int) -> None:
+def preallocate_file(data: str, size: int) -> bool:
     """Give the data file its whole size now: writes then land in pages the
-    filesystem already has (about twice as fast on tmpfs), and a
-    filesystem filling up later cannot take them."""
+    filesystem already has, and a filesystem filling up later cannot take
+    them.  True when the first ``size`` bytes are allocated."""
     if os.stat(data).st_blocks * 512 >= size:
-        return
+        return True
     fd = os.open(data, os.O_RDWR)
     try:
         os.posix_fallocate(fd, 0, size)
         logger.info("vllm-layerwise-patch pool: %s preallocated (%d bytes)", data, size)
+        return True
     except OSError as exc:
         logger.warning("vllm-layerwise-patch pool: could not preallocate %s (%s); the "
                        "pool grows as it fills", data, exc)
+        return False
     finally:
         os.close(fd)
 
 
-def open_environment(path: str, capacity: int, shared_group: str | None,
-                     preallocate: bool) -> tuple[Any, GenerationFile]:
-    """The pool's LMDB environment (its four databases created) and its
-    generation file: the directory prepared and checked before anything is
-    read, the filesystem's room checked, the data file preallocated.
-    Processes starting together (engine core and workers) take a lock so
-    they do not race to create the environment."""
+def unbacked_growth(path: str, map_size: int) -> str | None:
+    """A writemap pool grown by another engine: None when the file is
+    allocated up to ``map_size`` (now), else why this engine must stop
+    writing (logged)."""
+    if preallocate_file(os.path.join(path, "data.mdb"), map_size):
+        return None
+    why = (f"the grown pool file cannot be allocated on the filesystem of {path}: this "
+           "engine saves nothing more (restart it, or give the filesystem room)")
+    logger.error("vllm-layerwise-patch pool: %s", why)
+    return why
+
+
+def file_size(path: str) -> int:
+    try:
+        return os.stat(os.path.join(path, "data.mdb")).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _open(path: str, capacity: int, file_mode: int, writemap: bool) -> Any:
+    """Never a map smaller than the file: with writemap LMDB truncates the
+    file to the map, and another engine writing past that point would die
+    of SIGBUS."""
     import lmdb
 
+    env = lmdb.open(path, map_size=max(capacity, file_size(path)), max_dbs=4, subdir=True, lock=True,
+                    sync=False, metasync=False, readahead=False, max_readers=256,
+                    mode=file_mode, writemap=writemap)
+    for name in (b"data", b"groups", b"lru", b"pins"):
+        env.open_db(name)  # existing ones: a write transaction that writes nothing
+    return env
+
+
+def open_environment(path: str, capacity: int, shared_group: str | None,
+                     preallocate: bool) -> tuple[Any, GenerationFile, bool]:
+    """The pool's LMDB environment (its four databases created), its
+    generation file and whether it writes through ``writemap``: the
+    directory prepared and checked before anything is read, the
+    filesystem's room checked, the data file preallocated (then reopened
+    with ``writemap``).  Processes starting together (engine core and
+    workers) take a lock so they do not race to create the environment."""
     file_mode = prepare_pool_dir(path, shared_group)  # before anything is read
     check_space(path, capacity)
     fd = os.open(os.path.join(path, ".open.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
                  file_mode)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        env = lmdb.open(path, map_size=capacity, max_dbs=4, subdir=True, lock=True,
-                        sync=False, metasync=False, readahead=False, max_readers=256,
-                        mode=file_mode)
-        for name in (b"data", b"groups", b"lru", b"pins"):
-            env.open_db(name)
+        env = _open(path, capacity, file_mode, writemap=False)
         gen = GenerationFile(os.path.join(path, "generation"), file_mode)
         fix_file_modes(path, shared_group)
         env.reader_check()
-        if preallocate:
-            preallocate_file(os.path.join(path, "data.mdb"), max(capacity, env.info()["map_size"]))
+        writemap = False
+        if preallocate and preallocate_file(os.path.join(path, "data.mdb"),
+                                            max(capacity, env.info()["map_size"])):
+            env.close()
+            env = _open(path, capacity, file_mode, writemap=True)
+            writemap = True
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-    return env, gen
+    return env, gen, writemap
