@@ -31,14 +31,14 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | No
     return out
 
 
-def _avg(by_config: dict[str, Any], name: str) -> float | None:
+def _p50(by_config: dict[str, Any], name: str) -> float | None:
     r = by_config.get(name) or {}
-    return (r.get("ttft_s") or {}).get("avg")
+    return (r.get("ttft_s") or {}).get("p50")
 
 
 def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Where a pool hit's extra time over an HBM hit goes, per scenario, in
-    seconds of average TTFT: ``gap`` (pool-layerwise minus hbm), ``saves``
+    seconds of median (p50) TTFT - robust to one slow request: ``gap`` (pool-layerwise minus hbm), ``saves``
     (what storing the trace's new blocks adds: layerwise minus its
     ``kv_consumer`` twin), ``exposed_load_wait`` (the forward's wait on loads,
     per request), ``interpreted_kernels`` (on CPU, the gap's part that the
@@ -46,7 +46,7 @@ def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float |
     (lookups, metadata, page copies, load threads competing for the cores)."""
     out: dict[str, dict[str, float | None]] = {}
     for key, by_config in results.items():
-        lw, hbm, nosave = (_avg(by_config, n) for n in
+        lw, hbm, nosave = (_p50(by_config, n) for n in
                            ("pool-layerwise", "hbm", "pool-layerwise-nosave"))
         if lw is None or hbm is None:
             continue
@@ -57,7 +57,7 @@ def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float |
         torch_key = key + "+torch-kernels"
         if torch_key in results:
             t = results[torch_key]
-            t_lw, t_hbm = _avg(t, "pool-layerwise"), _avg(t, "hbm")
+            t_lw, t_hbm = _p50(t, "pool-layerwise"), _p50(t, "hbm")
             if t_lw is not None and t_hbm is not None:
                 row["interpreted_kernels"] = row["gap"] - (t_lw - t_hbm)
         row["rest"] = row["gap"] - sum(v for k, v in row.items()
@@ -110,7 +110,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{k.replace('_', ' ')} {_fmt(v)}" for k, v in rt.items() if v is not None), ""]
         bd = (doc.get("breakdown") or {}).get(scenario)
         if bd:
-            lines += ["Pool-layerwise minus HBM, average TTFT (s): " + ", ".join(
+            lines += ["Pool-layerwise minus HBM, median TTFT (s): " + ", ".join(
                 f"{k.replace('_', ' ')} {_fmt(v)}" for k, v in bd.items() if v is not None),
                 ""]
     tr = doc.get("transfer")
@@ -168,7 +168,7 @@ def plots(doc: dict[str, Any], out_dir: str) -> list[str]:
                 label="gap (layerwise - hbm)")
         ax.set_xticks(list(range(len(bd))))
         ax.set_xticklabels(list(bd), rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("seconds of average TTFT")
+        ax.set_ylabel("seconds of median TTFT")
         ax.set_title("pool-layerwise minus HBM hit")
         ax.legend(fontsize=7)
         fig.tight_layout()

@@ -21,58 +21,62 @@ from ..pool.saving import SaveQueue
 NS = b"B" * 16
 
 
+def _memcpy(dest: dict, src: dict) -> float:
+    t0 = time.perf_counter()
+    for n, t in src.items():
+        dest[n].copy_(t)
+    return time.perf_counter() - t0
+
+
 def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, threads: int,
         check_crc: bool) -> dict:
+    """Each pass is followed by a memcpy of the same bytes; the ratios are
+    the medians of the per-pass ratios (robust to a noisy machine)."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     path = tempfile.mkdtemp(prefix="vlp-bench-", dir=shm)
     total = layers * blocks * page
     be = LmdbBackend(path, max(total * (repeats + 4), 64 << 20), pin_seconds=0)
     caches = {f"model.layers.{i}.x": torch.randint(0, 256, (blocks, page), dtype=torch.uint8)
               for i in range(layers)}
+    dest = {n: torch.zeros_like(t) for n, t in caches.items()}
     order = list(caches)
+    times: dict[str, list[tuple[float, float]]] = {  # (seconds, memcpy seconds)
+        "save_first_pass": [], "save": [], "load": []}
     # save path: the send thread packs each layer's pages as they are
     # submitted, then one transaction per "step".  First pass: new keys, the
-    # pool's pages touched for the first time by this process; steady state:
-    # the same keys again, the pages the last pass freed reused (a pool at
-    # capacity recycles evicted pages the same way)
+    # pool's pages touched for the first time by this process; steady state
+    # ("save"): the same keys again, the pages the last pass freed reused (a
+    # pool at capacity recycles evicted pages the same way)
     saver = SaveQueue(be, NS)
-    save_s: dict[str, list[float]] = {"first": [], "steady": []}
-    for phase in ("first", "steady"):
+    for phase in ("save_first_pass", "save"):
         for r in range(repeats):
             t0 = time.perf_counter()
             for n in order:
-                saver.submit([(f"{r if phase == 'first' else 's'}/{n}/{b}".encode(),
+                saver.submit([(f"{r if phase == 'save_first_pass' else 's'}/{n}/{b}".encode(),
                                caches[n][b]) for b in range(blocks)])
             assert saver.commit([])
-            save_s[phase].append(time.perf_counter() - t0)
+            times[phase].append((time.perf_counter() - t0, _memcpy(dest, caches)))
     saver.close()
     # load path: LayerwisePipeline into fresh pages, all layers
-    dest = {n: torch.zeros_like(t) for n, t in caches.items()}
-    load_s = []
     pipe = LayerwisePipeline(order, be, NS, prefetch=prefetch, threads=threads,
                              check_crc=check_crc)
     for r in range(repeats):
+        for t in dest.values():
+            t.zero_()
         tasks = {n: [(f"{r}/{n}/{b}".encode(), [dest[n][b]]) for b in range(blocks)]
                  for n in order}
         t0 = time.perf_counter()
         pipe.load_all(tasks)
-        load_s.append(time.perf_counter() - t0)
-    assert all(torch.equal(dest[n], caches[n]) for n in order)
-    # reference: one memcpy of the same bytes
-    memcpy_s = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for n in order:
-            dest[n].copy_(caches[n])
-        memcpy_s.append(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        assert all(torch.equal(dest[n], caches[n]) for n in order)
+        times["load"].append((took, _memcpy(dest, caches)))
     pipe.close()
     be_writemap = be.writemap
     be.close()
     shutil.rmtree(path, ignore_errors=True)
     gb = total / 1e9
-    med = {k: statistics.median(v) for k, v in
-           (("save", save_s["steady"]), ("save_first_pass", save_s["first"]),
-            ("load", load_s), ("memcpy", memcpy_s))}
+    med = {k: statistics.median(t for t, _ in v) for k, v in times.items()}
+    med["memcpy"] = statistics.median(m for v in times.values() for _, m in v)
     return {
         "bytes_per_pass": total, "layers": layers, "blocks": blocks, "page_bytes": page,
         "repeats": repeats, "prefetch": prefetch, "threads": threads,
@@ -80,8 +84,8 @@ def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, thread
         "median_seconds": med,
         "GB_per_s": {k: round(gb / v, 3) for k, v in med.items()},
         "lmdb_writemap": be_writemap,
-        "ratio_to_memcpy": {k: round(med["memcpy"] / med[k], 3)
-                            for k in ("save", "save_first_pass", "load")},
+        "ratio_to_memcpy": {k: round(statistics.median(m / t for t, m in v), 3)
+                            for k, v in times.items()},
     }
 
 
