@@ -70,6 +70,7 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str) 
     values = {(n, b): pack(NS, src[n][b].numpy().tobytes()) for n in order
               for b in range(blocks)}
     pipe = LayerwisePipeline(order, be, NS, prefetch=2, threads=2, check_crc=False)
+    pipe.register_memory(dest.values())  # as the worker does with its KV cache
     save_s, load_s, memcpy_s = [], [], []
     for r in range(repeats):
         items = [(f"{kind}/{page}/{r}/{n}/{b}".encode(), values[(n, b)]) for n in order
