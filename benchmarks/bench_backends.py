@@ -9,7 +9,9 @@ run, as ratios to a memcpy of the same bytes measured in the same run:
 * ``mooncake-own``: this process holds the segment (nothing crosses a socket).
 
 Loads go through the worker's real path (``LayerwisePipeline``: per-layer
-``read_many`` batches, header and length checked, copied into KV pages);
+``read_many`` batches, header and length checked, copied into KV pages - or,
+where the backend can, read straight into the pages, registered as the worker
+registers its KV cache, and checked there: Mooncake with a client of its own);
 saves are the backend's ``put_many`` of packed pages (one step's worth).
 Pages of 160 KiB (the tiny model's) and 2 MiB.  A loopback master and holder
 are started and stopped by the benchmark (``mooncake-local``).

@@ -27,11 +27,11 @@ def cluster(tmp_path_factory):
     lm.stop()
 
 
-def backend(cluster, shm: bool):
+def backend(cluster, shm: bool, **kw):
     from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
 
     mc = {"master_address": cluster.master_address, "global_segment_size": 0,
-          "local_buffer_size": "8MiB"}
+          "local_buffer_size": "8MiB", **kw}
     if shm:
         mc["client_address"] = cluster.holder_address
     return MooncakeBackend(PoolConfig.from_extra({"backend": "mooncake",
@@ -87,6 +87,11 @@ def test_zero_copy_writes_the_page_before_the_check_so_the_check_decides(cluster
     # memory the backend was not given falls back to the staging path
     other = torch.zeros(PAGE, dtype=torch.uint8)
     assert be.read_direct(keys[:1], [other.data_ptr()], [PAGE]) is None
+    be.close()
+    # zero_copy_loads=false registers nothing
+    be = backend(cluster, shm=False, zero_copy_loads=False)
+    assert not be.register_memory(pages.data_ptr(), pages.numel())
+    assert be.read_direct(keys[:1], [pages[0].data_ptr()], [PAGE]) is None
     be.close()
 
 

@@ -246,11 +246,11 @@ class MooncakeBackend(Backend):
                              "buffer", describe(rc))
 
     def register_memory(self, ptr: int, size: int) -> bool:
-        """Zero-copy loads into the KV cache, on a client of its own only: a
-        same-node client (``client_address``) can register nothing but the
-        holder's shared memory.  Registered memory is open to the transfer
-        engine's peers, as the staging buffer is (no authentication)."""
-        if self.cfg.client_address:
+        """Zero-copy loads into the KV cache (``zero_copy_loads``), on a client
+        of its own only: a same-node client (``client_address``) can register
+        nothing but the holder's shared memory.  Registered memory is open to
+        the transfer engine's peers, as the staging buffer is (no auth)."""
+        if self.cfg.client_address or not self.cfg.zero_copy_loads:
             return False
         self._memory.wanted.append((ptr, size))
         if self._store is not None:
