@@ -9,7 +9,9 @@ run, as ratios to a memcpy of the same bytes measured in the same run:
 * ``mooncake-own``: this process holds the segment (nothing crosses a socket).
 
 Loads go through the worker's real path (``LayerwisePipeline``: per-layer
-``read_many`` batches, header and length checked, copied into KV pages);
+``read_many`` batches, header and length checked, copied into KV pages - or,
+where the backend can, read straight into the pages, registered as the worker
+registers its KV cache, and checked there: Mooncake with a client of its own);
 saves are the backend's ``put_many`` of packed pages (one step's worth).
 Pages of 160 KiB (the tiny model's) and 2 MiB.  A loopback master and holder
 are started and stopped by the benchmark (``mooncake-local``).
@@ -70,6 +72,7 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str) 
     values = {(n, b): pack(NS, src[n][b].numpy().tobytes()) for n in order
               for b in range(blocks)}
     pipe = LayerwisePipeline(order, be, NS, prefetch=2, threads=2, check_crc=False)
+    pipe.register_memory(dest.values())  # as the worker does with its KV cache
     save_s, load_s, memcpy_s = [], [], []
     for r in range(repeats):
         items = [(f"{kind}/{page}/{r}/{n}/{b}".encode(), values[(n, b)]) for n in order

@@ -6,7 +6,9 @@ destination page) pairs of one step and submits the first ``prefetch`` layers
 (in forward order) to the load threads; :meth:`wait` blocks on one layer,
 surfaces its error, and submits the next layer so that at most ``prefetch``
 layers are in flight ahead of compute.  Every value is validated (length,
-checksum, namespace) before a byte reaches a page.
+checksum, namespace) before its page is used: before a byte reaches the page,
+or - a zero-copy read straight into registered host pages - in the page,
+where a failure fails that load (:func:`read_items`).
 
 Compute-start fence: :meth:`LayerwisePipeline.record_compute_start` records a
 device event when the compute stream reaches a layer; loads submitted after it
@@ -26,7 +28,7 @@ import warnings
 import numpy as np
 import torch
 
-from .backends.base import HEADER_SIZE, Backend, unpack
+from .backends.base import HEADER_SIZE, Backend, unpack, verify
 
 # torch.frombuffer warns on read-only buffers; we only read from them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -51,14 +53,38 @@ def fill_page(dest: torch.Tensor, payload: memoryview) -> None:
 LoadItem = tuple[bytes, list[torch.Tensor]]  # key -> every page it fills
 
 
+def _direct_ptrs(items: list[LoadItem]) -> list[int] | None:
+    """The page addresses of ``items`` when each fills one contiguous host
+    page (what a zero-copy read needs), else None."""
+    ptrs = []
+    for _, dests in items:
+        if len(dests) != 1:
+            return None
+        d = dests[0]
+        if d.device.type != "cpu" or d.dtype != torch.uint8 or not d.is_contiguous():
+            return None
+        ptrs.append(d.data_ptr())
+    return ptrs
+
+
 def read_items(backend: Backend, ns: bytes, items: list[LoadItem], *, check_crc: bool = True,
                on_fail=None) -> int:
     """Read ``items`` (key -> the pages it fills) from ``backend`` and fill
-    the pages, each value validated first; returns the bytes written.  A
-    failed item raises, or - with ``on_fail(i, key, dests, exc)`` - is
-    handed to it (also every item a failing backend did not deliver)."""
+    the pages, each value validated; returns the bytes written.  A failed
+    item raises, or - with ``on_fail(i, key, dests, exc)`` - is handed to it
+    (also every item a failing backend did not deliver).
+
+    Where the backend can (:meth:`.Backend.read_direct`: host pages in
+    registered memory) the payload lands in the page itself and is validated
+    there; a page that fails is handed to ``on_fail`` (which zeroes it and
+    fails the request's load: it recomputes) or raises, as any failed item."""
     moved = [0]
     done: set[int] = set()
+
+    def fail(i: int, key: bytes, dests: list[torch.Tensor], exc: Exception) -> None:
+        if on_fail is None:
+            raise exc
+        on_fail(i, key, dests, exc)
 
     def consume(i: int, key: bytes, value) -> None:
         dests = items[i][1]
@@ -72,13 +98,28 @@ def read_items(backend: Backend, ns: bytes, items: list[LoadItem], *, check_crc:
                 fill_page(dest, payload)
                 moved[0] += dest.numel()
         except Exception as exc:
-            if on_fail is None:
-                raise
-            on_fail(i, key, dests, exc)
+            fail(i, key, dests, exc)
 
     try:
-        backend.read_many([k for k, _ in items], consume,
-                          [HEADER_SIZE + d[0].numel() for _, d in items])
+        keys = [k for k, _ in items]
+        ptrs = _direct_ptrs(items) if hasattr(backend, "read_direct") else None
+        heads = None if ptrs is None else backend.read_direct(
+            keys, ptrs, [d[0].numel() for _, d in items])
+        if heads is None:
+            backend.read_many(keys, consume, [HEADER_SIZE + d[0].numel() for _, d in items])
+        for i, head in enumerate(heads or ()):
+            key, dests = items[i]
+            done.add(i)
+            try:
+                if head is None:
+                    raise LoadError(f"pool entry {key!r} vanished between lookup and load")
+                page = dests[0].view(-1).numpy().data
+                if len(head) < HEADER_SIZE:
+                    unpack(key, head, ns)  # raises: not a value of this page's size
+                verify(key, head, page, ns, dests[0].numel(), check_crc)
+                moved[0] += dests[0].numel()
+            except Exception as exc:
+                fail(i, key, dests, exc)
     except Exception as exc:
         if on_fail is None:
             raise
@@ -153,6 +194,17 @@ class LayerwisePipeline:
                 if items:
                     self._futures[layer] = self.pool.submit(self._load_layer, layer, items,
                                                             self._gate)
+
+    def register_memory(self, tensors) -> bool:
+        """Offer the host memory behind ``tensors`` (the KV cache) to the
+        backend for zero-copy loads (:meth:`.Backend.register_memory`)."""
+        storages = {}
+        for t in tensors:
+            if t.device.type == "cpu":
+                s = t.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+        register = getattr(self.backend, "register_memory", None)
+        return bool(register) and any([register(p, n) for p, n in storages.items()])
 
     def record_compute_start(self, device: torch.device | None) -> None:
         """The compute stream has reached the current layer (see module doc)."""

@@ -103,6 +103,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
                                           # checksum a hit relies on
                                           check_crc=not self.config.verify_on_lookup,
                                           delay=self.config.debug_load_delay_ms / 1e3)
+        self.pipeline.register_memory(self.caches.values())  # zero-copy loads where possible
         self._events: list | None = [] if self.config.debug_event_log else None
         self._flushed = 0
         self.saver = SaveQueue(self.backend, self.ns, events=self._events)

@@ -93,20 +93,27 @@ def unpack(key: bytes, value: bytes | memoryview, namespace: bytes,
     view = memoryview(value)
     if view.nbytes < HEADER_SIZE:
         raise CorruptEntry("truncated", key, f"{view.nbytes} bytes, header needs {HEADER_SIZE}")
-    magic, version, algo, _r, length, checksum, ns = _HEADER.unpack_from(view)
+    payload = view[HEADER_SIZE:]
+    verify(key, view[:HEADER_SIZE], payload, namespace, expected_length, check_crc)
+    return payload
+
+
+def verify(key: bytes, head: Any, payload: memoryview, namespace: bytes,
+           expected_length: int | None = None, check_crc: bool = True) -> None:
+    """Validate a value read as its header ``head`` and its ``payload`` (which
+    a direct read may have put straight into a KV page): raises CorruptEntry."""
+    magic, version, algo, _r, length, checksum, ns = _HEADER.unpack_from(head)
     if magic != MAGIC or version != VERSION or algo not in CHECKSUMS:
         raise CorruptEntry("bad-header", key,
                            f"magic {magic!r} version {version} checksum {algo}")
     if ns != namespace[:16].ljust(16, b"\0"):
         raise CorruptEntry("foreign-namespace", key, f"namespace {ns.hex()}")
-    payload = view[HEADER_SIZE:]
     if payload.nbytes != length:
         raise CorruptEntry("truncated", key, f"payload {payload.nbytes} of {length} bytes")
     if expected_length is not None and length != expected_length:
         raise CorruptEntry("truncated", key, f"payload {length} bytes, page is {expected_length}")
     if check_crc and CHECKSUMS[algo](payload) != checksum:
         raise CorruptEntry("checksum", key, "checksum mismatch")
-    return payload
 
 
 Consumer = Callable[[int, bytes, "bytes | memoryview | None"], None]
@@ -143,6 +150,20 @@ class Backend(abc.ABC):
         may pass zero-copy views that are valid only during the call."""
         for i, (k, v) in enumerate(zip(keys, self.get_many(keys, sizes))):
             consume(i, k, v)
+
+    def register_memory(self, ptr: int, size: int) -> bool:
+        """Offer host memory (the KV cache) that :meth:`read_direct` may write
+        loaded pages into; False where the backend cannot read into it."""
+        return False
+
+    def read_direct(self, keys: list[bytes], ptrs: list[int], lengths: list[int]
+                    ) -> list[memoryview | None] | None:
+        """Zero-copy load: each value's payload goes straight to ``ptrs[i]``
+        (``lengths[i]`` bytes of registered memory), its header is returned
+        for the caller to verify before the page is used (a header of a
+        value that does not fit the page is ``b""``; a missing value is
+        None).  None: not possible here (the caller uses :meth:`read_many`)."""
+        return None
 
     @abc.abstractmethod
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
@@ -182,7 +203,7 @@ class FaultInjectingBackend(Backend):
 
     _OPS = {"lookup": ("exists_many", "get_many", "read_many"),
             # a backend whose reads fail cannot drop the entries either
-            "load": ("get_many", "read_many", "delete", "delete_groups"),
+            "load": ("get_many", "read_many", "read_direct", "delete", "delete_groups"),
             "save": ("put_many",)}
 
     def __init__(self, inner: Backend, fault: str) -> None:
@@ -205,6 +226,13 @@ class FaultInjectingBackend(Backend):
     def read_many(self, keys, consume, sizes=None):
         self._check("read_many")
         return self.inner.read_many(keys, consume, sizes)
+
+    def register_memory(self, ptr, size):
+        return self.inner.register_memory(ptr, size)
+
+    def read_direct(self, keys, ptrs, lengths):
+        self._check("read_direct")
+        return self.inner.read_direct(keys, ptrs, lengths)
 
     def put_many(self, items):
         self._check("put_many")

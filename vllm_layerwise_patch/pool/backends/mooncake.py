@@ -5,9 +5,15 @@ Data path: one staging buffer per process, registered with the store
 (``register_buffer``; from the shared-memory pool of a same-node
 ``mooncake_client`` with ``client_address``), cut into regions so the load
 threads, the send thread and the scheduler each move a batch at a time.
-Loads are ``batch_get_into`` the region, then each value is checked and
-copied into its KV page; saves are packed into the region and written with
-``batch_upsert_from``.  One batch per layer keeps the layerwise overlap.
+Loads with a client of its own (no ``client_address``): the KV cache's host
+memory is registered too (:meth:`register_memory`), and one
+``batch_get_into_multi_buffers`` call puts each header into the region and
+its payload straight into the KV page, checked there before use (a failed
+check fails that load: the request recomputes).  A same-node client can
+register only the holder's shared memory: values are ``batch_get_into`` the
+region, then each is checked and copied into its KV page.  Saves are packed
+into the region and written with ``batch_upsert_from``.  One batch per layer
+keeps the layerwise overlap.
 
 Mooncake's semantics, and what the pool does about them:
 
@@ -38,7 +44,6 @@ listen on loopback or a trusted network only (``mooncake-local`` does).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -50,9 +55,10 @@ from typing import Any
 
 from ..config import PREFIX, PoolConfigError
 from ..logs import LogOnce
-from .base import Backend, BackendError, PoolFull
+from .base import HEADER_SIZE, Backend, BackendError, PoolFull
 from .mooncake_io import (MARKER, MISSING, NO_SPACE, TOO_SMALL, UNREACHABLE,
-                          BackendUnavailable, Staging, describe, host_port)
+                          BackendUnavailable, Registered, Staging, describe, host_port,
+                          make_staging)
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -88,6 +94,7 @@ class MooncakeBackend(Backend):
         self._staging: Staging | None = None
         self._segment_wanted = False
         self._segment_mounted = False
+        self._memory = Registered()  # host memory for zero-copy loads
         self._down_until = 0.0
         self._down = False
         self.log = LogOnce()
@@ -130,25 +137,11 @@ class MooncakeBackend(Backend):
                 + f" returned {describe(rc)}")
         self._store = store
         if self._staging is None:
-            self._staging = self._make_staging(store)
+            self._staging = make_staging(store, cfg, self.REGIONS)
+        for ptr, size in self._memory.wanted:
+            self._register(ptr, size)
         if self._segment_wanted:
             self._mount()
-
-    def _make_staging(self, store: Any) -> Staging:
-        size = self.cfg.local_buffer_size
-        if self.cfg.client_address:
-            ptr = store.alloc_from_mem_pool(size)
-            if not ptr:
-                raise BackendError("Mooncake alloc_from_mem_pool failed")
-            keep = None
-        else:
-            keep = (ctypes.c_ubyte * size)()
-            ptr = ctypes.addressof(keep)
-        ctypes.memset(ptr, 0, size)  # pre-fault: first touch costs 5-20x a copy
-        rc = store.register_buffer(ptr, size)
-        if rc != 0:
-            raise BackendError(f"Mooncake register_buffer returned {describe(rc)}")
-        return Staging(ptr, size, self.REGIONS, keep)
 
     def _mount(self) -> None:
         size = self.cfg.global_segment_size
@@ -205,9 +198,10 @@ class MooncakeBackend(Backend):
             raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} is "
                                      "unreachable")
 
-    def _log_code(self, code: int, op: str, key: bytes) -> None:
-        self.log.warning(f"code{code}", "vllm-layerwise-patch pool: Mooncake %s of %r: %s "
-                        "(further %d codes are not logged)", op, key, describe(code), code)
+    def _failed(self, code: int, key: bytes) -> None:
+        if code != MISSING:  # (a missing value is the common, expected case)
+            self.log.warning(f"code{code}", "vllm-layerwise-patch pool: Mooncake get of %r: "
+                             "%s (further %d codes are not logged)", key, describe(code), code)
 
     # -- reads -----------------------------------------------------------------
     def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
@@ -221,51 +215,71 @@ class MooncakeBackend(Backend):
             raise BackendError(f"Mooncake batch_is_exist returned {sorted(set(rcs))}")
         return [r == 1 for r in rcs]
 
-    def _sizes(self, store: Any, keys: list[str]) -> list[int]:
-        out = []
-        for k in keys:
-            n = store.get_size(k)
-            out.append(n if n > 0 else 1)
-        return out
-
     def read_many(self, keys: list[bytes], consume, sizes: list[int] | None = None) -> None:
         if not keys:
             return
         store = self._ready()
         names = [k.decode() for k in keys]
-        if sizes is None:
-            sizes = self._sizes(store, names)
+        if sizes is None:  # (callers pass them: the page size is known)
+            sizes = [max(store.get_size(k), 1) for k in names]
         staging = self._staging
-        region = staging.acquire()
-        try:
-            i = 0
-            while i < len(keys):  # as many values as fit the region per call
-                j, used, ptrs = i, 0, []
-                while j < len(keys) and (j == i or used + sizes[j] <= staging.region_size):
-                    if sizes[j] > staging.region_size:
-                        raise BackendError(
-                            f"a {sizes[j]}-byte value does not fit a staging region of "
-                            f"{staging.region_size} bytes: raise mooncake.local_buffer_size")
-                    ptrs.append(region + used)
-                    used += sizes[j]
-                    j += 1
+        with staging.region() as region:
+            for i, j, ptrs in staging.runs(region, sizes):  # one call per region-full
                 rcs = store.batch_get_into(names[i:j], ptrs, sizes[i:j])
                 self._check(rcs, "get")
-                for n, (ptr, rc) in enumerate(zip(ptrs, rcs)):
-                    key = keys[i + n]
+                for n, ptr, rc in zip(range(i, j), ptrs, rcs):
                     if rc >= 0:
-                        consume(i + n, key, staging.view(ptr, rc))
-                    elif rc == TOO_SMALL:
-                        # bigger than the page it should hold: not ours
-                        self._log_code(rc, "get", key)
-                        consume(i + n, key, b"")
+                        consume(n, keys[n], staging.view(ptr, rc))
                     else:
-                        if rc != MISSING:
-                            self._log_code(rc, "get", key)
-                        consume(i + n, key, None)
-                i = j
-        finally:
-            staging.release(region)
+                        self._failed(rc, keys[n])
+                        # bigger than the page it should hold: not ours
+                        consume(n, keys[n], b"" if rc == TOO_SMALL else None)
+
+    # -- zero-copy loads ---------------------------------------------------------
+    def _register(self, ptr: int, size: int) -> None:
+        rc = self._store.register_buffer(ptr, size)
+        if rc == 0:
+            self._memory.add(ptr, size)
+        else:
+            self.log.warning("register", "vllm-layerwise-patch pool: Mooncake register_buffer "
+                             "of the KV cache returned %s; loads go through the staging "
+                             "buffer", describe(rc))
+
+    def register_memory(self, ptr: int, size: int) -> bool:
+        """Zero-copy loads into the KV cache (``zero_copy_loads``), on a client
+        of its own only: a same-node client (``client_address``) can register
+        nothing but the holder's shared memory.  Registered memory is open to
+        the transfer engine's peers, as the staging buffer is (no auth)."""
+        if self.cfg.client_address or not self.cfg.zero_copy_loads:
+            return False
+        self._memory.wanted.append((ptr, size))
+        if self._store is not None:
+            self._register(ptr, size)
+        return True
+
+    def read_direct(self, keys: list[bytes], ptrs: list[int], lengths: list[int]
+                    ) -> list[bytes | None] | None:
+        """Headers into the staging region, payloads straight into the pages
+        (one ``batch_get_into_multi_buffers`` call per region-full)."""
+        if not keys or not self._memory.covers(ptrs, lengths):
+            return None
+        store = self._ready()
+        names = [k.decode() for k in keys]
+        out: list[bytes | None] = []
+        staging = self._staging
+        with staging.region() as region:
+            for i, j, heads in staging.runs(region, [HEADER_SIZE] * len(keys)):
+                rcs = store.batch_get_into_multi_buffers(
+                    names[i:j], [[h, p] for h, p in zip(heads, ptrs[i:j])],
+                    [[HEADER_SIZE, n] for n in lengths[i:j]])
+                self._check(rcs, "get")
+                for n, head, rc in zip(range(i, j), heads, rcs):
+                    if rc == HEADER_SIZE + lengths[n]:
+                        out.append(bytes(staging.view(head, HEADER_SIZE)))
+                    else:  # missing, or a value of another size: not this page's
+                        self._failed(rc, keys[n])
+                        out.append(None if rc == MISSING else b"")
+        return out
 
     def get_many(self, keys: list[bytes], sizes: list[int] | None = None) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(keys)
@@ -283,21 +297,10 @@ class MooncakeBackend(Backend):
         config = ReplicateConfig()
         config.replica_num = self.cfg.replica_num
         staging = self._staging
-        region = staging.acquire()
-        try:
-            i = 0
-            while i < len(items):
-                j, used, ptrs = i, 0, []
-                while j < len(items) and (j == i or used + len(items[j][1])
-                                          <= staging.region_size):
-                    n = len(items[j][1])
-                    if n > staging.region_size:
-                        raise PoolFull(f"a {n}-byte value does not fit a staging region of "
-                                       f"{staging.region_size} bytes")
-                    staging.view(region + used, n)[:] = items[j][1]
-                    ptrs.append(region + used)
-                    used += n
-                    j += 1
+        with staging.region() as region:
+            for i, j, ptrs in staging.runs(region, [len(v) for _, v in items], PoolFull):
+                for (_, v), ptr in zip(items[i:j], ptrs):
+                    staging.view(ptr, len(v))[:] = v
                 batch = items[i:j]
                 rcs = store.batch_upsert_from([k.decode() for k, _ in batch], ptrs,
                                               [len(v) for _, v in batch], config)
@@ -308,9 +311,6 @@ class MooncakeBackend(Backend):
                     if rc == NO_SPACE:
                         raise PoolFull(f"Mooncake put of {key!r}: {describe(rc)}")
                     raise BackendError(f"Mooncake put of {key!r}: {describe(rc)}")
-                i = j
-        finally:
-            staging.release(region)
 
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         """Pages first; commit markers only once every page is stored."""
