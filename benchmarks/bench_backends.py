@@ -49,7 +49,7 @@ def _open(kind: str, cluster, tmp: str, capacity: int):
     from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
 
     mc = {"master_address": cluster.master_address, "local_buffer_size": "128MiB",
-          "global_segment_size": 0}
+          "global_segment_size": 0, "zero_copy_loads": True}  # the opt-in fast path
     if kind == "mooncake-shm":
         mc["client_address"] = cluster.holder_address
     if kind == "mooncake-own":

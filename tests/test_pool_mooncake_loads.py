@@ -31,7 +31,7 @@ def backend(cluster, shm: bool, **kw):
     from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
 
     mc = {"master_address": cluster.master_address, "global_segment_size": 0,
-          "local_buffer_size": "8MiB", **kw}
+          "local_buffer_size": "8MiB", "zero_copy_loads": True, **kw}  # opt-in
     if shm:
         mc["client_address"] = cluster.holder_address
     return MooncakeBackend(PoolConfig.from_extra({"backend": "mooncake",
@@ -88,7 +88,9 @@ def test_zero_copy_writes_the_page_before_the_check_so_the_check_decides(cluster
     other = torch.zeros(PAGE, dtype=torch.uint8)
     assert be.read_direct(keys[:1], [other.data_ptr()], [PAGE]) is None
     be.close()
-    # zero_copy_loads=false registers nothing
+    # zero_copy_loads=false (the default) registers nothing
+    assert PoolConfig.from_extra({"backend": "mooncake", "mooncake": {
+        "master_address": cluster.master_address}}).mooncake.zero_copy_loads is False
     be = backend(cluster, shm=False, zero_copy_loads=False)
     assert not be.register_memory(pages.data_ptr(), pages.numel())
     assert be.read_direct(keys[:1], [pages[0].data_ptr()], [PAGE]) is None

@@ -121,10 +121,12 @@ class MooncakeConfig(BaseModel):
         description="a same-node `mooncake_client` (host:port) holding the memory: loads "
                     "and saves go through shared memory (`setup_dummy`)")
     zero_copy_loads: bool = Field(
-        default=True,
+        default=False,
         description="register the host KV cache with Mooncake and load pages straight into "
-                    "it (not with `client_address`); like the staging buffer, it is then "
-                    "reachable by the transfer engine's peers: trusted networks only")
+                    "it (not with `client_address`; opt-in: a few percent faster here, "
+                    "the KV cache is then reachable by the transfer engine's peers like the "
+                    "staging buffer, and whether Mooncake can still write into a page after "
+                    "reporting its transfer failed is not verified)")
     reconnect_seconds: Number = Field(
         default=10.0, gt=0, le=3600,
         description="while the master is unreachable, how often to try again")
