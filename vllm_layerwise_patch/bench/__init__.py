@@ -113,17 +113,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _size_note(doc: dict[str, Any], workload: Any) -> str:
     """How the CPU model's prefill compares with the emulation's per-step cost,
-    from the no-prefix-cache run: a prompt's prefill (input throughput) over a
-    decode step (mostly fixed cost: kernel launches, scheduling)."""
-    for by_config in (doc.get("results") or {}).values():
+    per scenario, from the no-prefix-cache run: a prompt's prefill (input
+    throughput) over a decode step (mostly fixed cost: kernel launches,
+    scheduling)."""
+    parts = []
+    for scenario, by_config in (doc.get("results") or {}).items():
         r = by_config.get("no-prefix-cache") or {}
         if r.get("input_tokens_per_s") and r.get("decode_step_s"):
             prefill = workload.input_len / r["input_tokens_per_s"]
-            return (f"Model size: one {workload.input_len}-token prefill takes "
-                    f"{prefill:.2f} s of compute (no prefix cache, measured), a decode step "
-                    f"(mostly the emulation's fixed per-step cost) {r['decode_step_s']:.3f} s: "
-                    f"prefill is {prefill / r['decode_step_s']:.0f}x the fixed cost.")
-    return ""
+            parts.append(f"`{scenario}`: {prefill:.2f} s vs {r['decode_step_s']:.3f} s, "
+                         f"{prefill / r['decode_step_s']:.0f}x")
+    if not parts:
+        return ""
+    return (f"Model size: one {workload.input_len}-token prefill without prefix cache "
+            "(measured) against a decode step (mostly the emulation's fixed per-step "
+            "cost): " + "; ".join(parts) + ".")
 
 
 def _model(ns: argparse.Namespace, work: str) -> tuple[str, str]:

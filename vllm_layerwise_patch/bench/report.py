@@ -20,6 +20,8 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | No
         p50 = {c: (r.get("ttft_s") or {}).get("p50") for c, r in by_config.items()}
         out[scenario] = {
             "layerwise_vs_hbm": _ratio(p50.get("pool-layerwise"), p50.get("hbm")),
+            "layerwise_deferred_save_vs_hbm": _ratio(p50.get("pool-layerwise-defer"),
+                                                     p50.get("hbm")),
             "layerwise_vs_no_prefix_cache": _ratio(p50.get("pool-layerwise"),
                                                    p50.get("no-prefix-cache")),
             "layerwise_vs_bulk": _ratio(p50.get("pool-layerwise"), p50.get("pool-bulk")),

@@ -8,6 +8,8 @@ run; every engine is its own process (``testing.engines``).
   per-layer loads overlap compute (the overlay's patches on);
 * ``pool-layerwise-nosave``: the same as a ``kv_consumer`` (loads only): what
   saving the trace's new blocks costs the TTFT;
+* ``pool-layerwise-defer``: the same with ``defer_last_save``: the step's
+  write completes at the next step instead of before the first token;
 * ``pool-bulk``: the same, patches off: everything is loaded before the
   forward;
 * ``pool-async``: vLLM's asynchronous external load (``load_async``: the
@@ -47,12 +49,14 @@ class Config:
     latency_ms: float = 0.0
     role: str = "kv_both"
     load_async: bool = False
+    defer_last_save: bool = False
 
 
 def configs(latency_ms: float, only: list[str] | None = None) -> list[Config]:
     out = [Config("no-prefix-cache", prefix_caching=False), Config("hbm"),
            Config("pool-layerwise", pool=True, patches="1"),
            Config("pool-layerwise-nosave", pool=True, patches="1", role="kv_consumer"),
+           Config("pool-layerwise-defer", pool=True, patches="1", defer_last_save=True),
            Config("pool-bulk", pool=True),
            Config("pool-async", pool=True, patches="1", load_async=True)]
     if latency_ms:
@@ -96,6 +100,8 @@ class Setup:
             pool["debug_load_delay_ms"] = config.latency_ms
         if config.load_async:
             pool["load_async"] = True
+        if config.defer_last_save:
+            pool["defer_last_save"] = True
         return pool
 
     def engine(self, config: Config, scenario: str, phases: list[dict[str, Any]],
