@@ -32,6 +32,12 @@ NOTES_CPU = [
     "Two cores serve the engine and the pool's load threads: loads compete "
     "with compute here; on a GPU machine they overlap it (see "
     "`benchmarks/bench_gpu_pipeline.py` for the exposed transfer time).",
+    "A pool hit also saves the request's new blocks while it computes: on two "
+    "cores the send thread's packing and copying takes cores from the forward "
+    "(`saves` in the breakdown: `pool-layerwise` minus its `pool-layerwise-"
+    "nosave` twin, which only loads); deferring the step's write past the "
+    "first token (`pool-layerwise-defer`) does not remove it. On a GPU the "
+    "save is a device-to-host copy on its own stream.",
     "Every TTFT counts from the request's arrival: with concurrency > 1 all "
     "requests arrive at once and at most `concurrency` run together, so later "
     "ones include queueing; with concurrency 1 they are served one after another.",
