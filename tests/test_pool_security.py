@@ -23,7 +23,7 @@ import pytest
 from conftest import clean_env, run_py
 from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfigError
-from vllm_layerwise_patch.testing.engines import engine_env, run_engine, toks
+from vllm_layerwise_patch.testing.engines import run_engine, toks
 
 SHARED = "users"  # a group every Debian machine has
 FILES = ("data.mdb", "lock.mdb", ".open.lock", "generation")
