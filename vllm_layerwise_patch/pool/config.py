@@ -171,7 +171,7 @@ class PoolConfig(BaseModel):
         description="lmdb: give the pool file its whole capacity at startup (the memory "
                     "of a tmpfs pool is taken then; a filesystem filling up later cannot "
                     "take it) and write values straight into the mapped file (LMDB "
-                    "writemap: about 3x less time per saved byte); false: the file grows "
+                    "writemap: the write costs ~1.1x a memcpy instead of ~4.9x on tmpfs); false: the file grows "
                     "as it fills, LMDB's default write path")
     prefetch_layers: int = Field(default=2, ge=1, le=64,
                                  description="layers loaded ahead of compute")

@@ -5,8 +5,8 @@ refused at startup, and the file given its whole capacity up front.
 A fully preallocated data file is then written through LMDB's ``writemap``:
 values are copied once, straight into the mapped file, where the default
 mode copies each into malloc'd pages and writes those into the file at
-commit (about 3x less time per saved byte on tmpfs once the pool's pages
-have been touched; ``benchmarks/bench_pipeline.py``).  Only then: with
+commit (on tmpfs the write then costs ~1.1x a memcpy's time instead of
+~4.9x once the pool's pages have been touched; ``benchmarks/bench_pipeline.py``).  Only then: with
 ``writemap``, a write into a part of the file the filesystem cannot back
 is a SIGBUS, not an error - so a file that is not (or can no longer be)
 fully allocated is written the default way, or not at all."""
