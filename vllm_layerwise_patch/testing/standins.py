@@ -84,6 +84,10 @@ class Installer:
         self._replaced: list[tuple[Any, str, Any]] = []  # (module, attribute, original)
         self._hooked = False
 
+    def stats(self) -> dict[str, float]:
+        """Launches of the stand-in in this process, bytes it wrote, seconds."""
+        return dict(self.standin.STATS)
+
     def unverified(self, module: Any) -> str | None:
         """Why the live kernel is not one the stand-in reproduces (None: it is)."""
         from ..registry import fingerprint
@@ -133,7 +137,7 @@ class Installer:
             setattr(mod, attr, original)
 
     def _summary(self) -> None:
-        s = self.standin.STATS
+        s = self.stats()
         if s["launches"]:
             print(f"vllm-layerwise-patch: {self.label}: {s['launches']} launches, "
                   f"{s['bytes']} bytes written, {s['seconds'] * 1e3:.1f} ms", file=sys.stderr)

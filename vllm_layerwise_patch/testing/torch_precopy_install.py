@@ -19,8 +19,6 @@ kernel and skips.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..envvars import CPU_TORCH_PRECOPY_ENV
 from .standins import Installer, KernelStandIn
 from .torch_precopy import ARG_NAMES, precopy_mamba_align_torch
@@ -71,28 +69,9 @@ class TorchPrecopyKernel(KernelStandIn):
 
 _INSTALLER = Installer(TorchPrecopyKernel, VERIFIED_SOURCES, "torch pre-copy",
                        CPU_TORCH_PRECOPY_ENV)
-
-
-def stats() -> dict[str, float]:
-    """Launches of the stand-in in this process, bytes it wrote, seconds."""
-    return dict(TorchPrecopyKernel.STATS)
-
-
-def install(module: Any = None) -> bool:
-    """Replace vLLM's pre-copy kernel with :class:`TorchPrecopyKernel` in
-    ``module`` (``vllm.v1.worker.mamba_utils`` by default) and in every other
-    module global holding the same kernel object.  Idempotent; True when it
-    installed; refuses (one line on stderr) an unverified kernel."""
-    return _INSTALLER.install(module)
-
-
-def uninstall() -> None:
-    """Put every replaced kernel object back."""
-    _INSTALLER.uninstall()
-
-
-def install_on_import() -> None:
-    """Install the stand-in when ``vllm.v1.worker.mamba_utils`` is imported
-    (at once if it already is), and print a one-line summary at exit.  What
-    the bootstrap calls with ``VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY=1``."""
-    _INSTALLER.install_on_import()
+#: ``install(module=None)`` replaces the kernel in ``vllm.v1.worker.mamba_utils``
+#: (or ``module``) and in every other module global holding it, refusing an
+#: unverified kernel; ``install_on_import()`` is what the bootstrap calls with
+#: ``VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY=1``; ``uninstall()``, ``stats()``.
+install, uninstall = _INSTALLER.install, _INSTALLER.uninstall
+install_on_import, stats = _INSTALLER.install_on_import, _INSTALLER.stats

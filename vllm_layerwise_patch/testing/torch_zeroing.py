@@ -83,27 +83,9 @@ class TorchZeroingKernel(KernelStandIn):
 
 _INSTALLER = Installer(TorchZeroingKernel, VERIFIED_SOURCES, "host zeroing",
                        CPU_TORCH_ZEROING_ENV)
-
-
-def stats() -> dict[str, float]:
-    """Launches of the stand-in in this process, bytes it zeroed, seconds."""
-    return dict(TorchZeroingKernel.STATS)
-
-
-def install(module: Any = None) -> bool:
-    """Replace ``vllm.v1.worker.utils._zero_kv_blocks_kernel`` (read by
-    ``KVBlockZeroer.zero_block_ids`` at call time) with the stand-in;
-    refuses (one line on stderr) an unverified kernel."""
-    return _INSTALLER.install(module)
-
-
-def uninstall() -> None:
-    """Put the interpreted kernel back."""
-    _INSTALLER.uninstall()
-
-
-def install_on_import() -> None:
-    """Install when ``vllm.v1.worker.utils`` is imported; one-line summary
-    at exit.  What the bootstrap calls with
-    ``VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING=1``."""
-    _INSTALLER.install_on_import()
+#: ``install(module=None)`` replaces ``vllm.v1.worker.utils._zero_kv_blocks_kernel``
+#: (read by ``KVBlockZeroer.zero_block_ids`` at call time), refusing an
+#: unverified kernel; ``install_on_import()`` is what the bootstrap calls with
+#: ``VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING=1``; ``uninstall()``, ``stats()``.
+install, uninstall = _INSTALLER.install, _INSTALLER.uninstall
+install_on_import, stats = _INSTALLER.install_on_import, _INSTALLER.stats

@@ -72,12 +72,11 @@ class LmdbBackend(Backend):
                  preallocate: bool = True) -> None:
         self.path, self.capacity = path, int(capacity_bytes)
         self.evict_fraction, self.pin_seconds = evict_fraction, pin_seconds
-        self.env, self._gen, self.writemap = open_environment(
+        self.env, dbs, self._gen, self.writemap = open_environment(
             path, self.capacity, shared_group, preallocate)
+        self.data, self.groups, self.lru, self.pins = dbs  # lmdb_files.DATABASES
         # with writemap, a write the file cannot back is a SIGBUS: refuse them
         self._writes_refused: str | None = None
-        self.data, self.groups, self.lru, self.pins = (
-            self.env.open_db(n) for n in (b"data", b"groups", b"lru", b"pins"))
         self.map_size = self.env.info()["map_size"]
         if self.map_size > self.capacity:
             logger.info("vllm-layerwise-patch pool: %s was opened with a larger capacity "

@@ -6,7 +6,8 @@ A fully preallocated data file is then written through LMDB's ``writemap``:
 values are copied once, straight into the mapped file, where the default
 mode copies each into malloc'd pages and writes those into the file at
 commit (on tmpfs the write then costs ~1.1x a memcpy's time instead of
-~4.9x once the pool's pages have been touched; ``benchmarks/bench_pipeline.py``).  Only then: with
+~4.9x once the pool's pages have been touched; ``benchmarks/bench_pipeline.py``).
+Only then: with
 ``writemap``, a write into a part of the file the filesystem cannot back
 is a SIGBUS, not an error - so a file that is not (or can no longer be)
 fully allocated is written the default way, or not at all."""
@@ -61,11 +62,19 @@ def preallocate_file(data: str, size: int) -> bool:
         os.close(fd)
 
 
+#: the pool's databases (see .lmdb)
+DATABASES = (b"data", b"groups", b"lru", b"pins")
+
+
+def data_file(path: str) -> str:
+    return os.path.join(path, "data.mdb")
+
+
 def unbacked_growth(path: str, map_size: int) -> str | None:
     """A writemap pool grown by another engine: None when the file is
     allocated up to ``map_size`` (now), else why this engine must stop
     writing (logged)."""
-    if preallocate_file(os.path.join(path, "data.mdb"), map_size):
+    if preallocate_file(data_file(path), map_size):
         return None
     why = (f"the grown pool file cannot be allocated on the filesystem of {path}: this "
            "engine saves nothing more (restart it, or give the filesystem room)")
@@ -75,28 +84,27 @@ def unbacked_growth(path: str, map_size: int) -> str | None:
 
 def file_size(path: str) -> int:
     try:
-        return os.stat(os.path.join(path, "data.mdb")).st_size
+        return os.stat(data_file(path)).st_size
     except FileNotFoundError:
         return 0
 
 
-def _open(path: str, capacity: int, file_mode: int, writemap: bool) -> Any:
-    """Never a map smaller than the file: with writemap LMDB truncates the
-    file to the map, and another engine writing past that point would die
-    of SIGBUS."""
+def _open(path: str, capacity: int, file_mode: int, writemap: bool) -> tuple[Any, list]:
+    """The environment and its databases' handles (created when absent).
+    Never a map smaller than the file: with writemap LMDB truncates the file
+    to the map, and another engine writing past that point would die of
+    SIGBUS."""
     import lmdb
 
-    env = lmdb.open(path, map_size=max(capacity, file_size(path)), max_dbs=4, subdir=True, lock=True,
-                    sync=False, metasync=False, readahead=False, max_readers=256,
-                    mode=file_mode, writemap=writemap)
-    for name in (b"data", b"groups", b"lru", b"pins"):
-        env.open_db(name)  # existing ones: a write transaction that writes nothing
-    return env
+    env = lmdb.open(path, map_size=max(capacity, file_size(path)), max_dbs=len(DATABASES),
+                    subdir=True, lock=True, sync=False, metasync=False, readahead=False,
+                    max_readers=256, mode=file_mode, writemap=writemap)
+    return env, [env.open_db(name) for name in DATABASES]
 
 
 def open_environment(path: str, capacity: int, shared_group: str | None,
-                     preallocate: bool) -> tuple[Any, GenerationFile, bool]:
-    """The pool's LMDB environment (its four databases created), its
+                     preallocate: bool) -> tuple[Any, list, GenerationFile, bool]:
+    """The pool's LMDB environment, the handles of its :data:`DATABASES`, its
     generation file and whether it writes through ``writemap``: the
     directory prepared and checked before anything is read, the
     filesystem's room checked, the data file preallocated (then reopened
@@ -108,17 +116,17 @@ def open_environment(path: str, capacity: int, shared_group: str | None,
                  file_mode)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        env = _open(path, capacity, file_mode, writemap=False)
+        env, dbs = _open(path, capacity, file_mode, writemap=False)
         gen = GenerationFile(os.path.join(path, "generation"), file_mode)
         fix_file_modes(path, shared_group)
         env.reader_check()
         writemap = False
-        if preallocate and preallocate_file(os.path.join(path, "data.mdb"),
+        if preallocate and preallocate_file(data_file(path),
                                             max(capacity, env.info()["map_size"])):
             env.close()
-            env = _open(path, capacity, file_mode, writemap=True)
+            env, dbs = _open(path, capacity, file_mode, writemap=True)
             writemap = True
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-    return env, gen, writemap
+    return env, dbs, gen, writemap
