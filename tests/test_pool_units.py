@@ -747,20 +747,31 @@ def test_layer_ids_keep_drafter_layers_apart():
         check_unique_ids(["model.layers.0.a", "layers.0.b"])
 
 
-def test_save_queue_commits_pages_and_markers_in_one_transaction(tmp_path):
+@pytest.mark.parametrize("device", [None, "cpu", "meta"])
+def test_save_queue_commits_pages_and_markers_in_one_transaction(tmp_path, device):
+    """Host pages (no device, or CPU) are packed in the caller's thread;
+    pages on another device by the send thread (``meta`` stands in for a GPU
+    here: no event to wait for, the pages themselves are host tensors)."""
     from vllm_layerwise_patch.pool.saving import SaveQueue
 
     be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
     q = SaveQueue(be, NS)
+    packed_by, pack = [], q._arena.pack
+    q._arena.pack = lambda page: packed_by.append(threading.current_thread().name) or pack(page)
     pages = torch.randint(0, 256, (3, 512), dtype=torch.uint8)
-    q.submit([(b"p0", pages[0]), (b"p1", pages[1])])
-    q.submit([(b"p2", pages[2])])
+    dev = torch.device(device) if device else None
+    q.submit([(b"p0", pages[0]), (b"p1", pages[1])], dev)
+    q.submit([(b"p2", pages[2])], dev)
     assert be.exists_many([b"p0", b"m"]) == [False, False]  # nothing before commit
     assert q.commit([b"m"]) is True
     assert be.exists_many([b"p0", b"p1", b"p2", b"m"]) == [True] * 4
     got = be.get_many([b"p2"])[0]
     assert bytes(unpack(b"p2", got, NS)) == pages[2].numpy().tobytes()
     assert q.bytes_saved > 3 * 512
+    assert packed_by == ["vlp-send" if device == "meta" else "MainThread"] * 3
+    # where the save's time went: writing is part of it, the thread's CPU time is counted
+    assert 0 < q.write_seconds <= q.seconds
+    assert 0 < q.cpu_seconds
     q.close()
     be.close()
 
@@ -873,3 +884,18 @@ def test_failed_async_load_is_not_looked_up_again(tmp_path):
         finished_recving={"a"}, failed_recving={"a"}, invalid_block_ids=set()))
     # vLLM's recompute policy starts it again from token 0: no pool hit
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_save_queue_reserve_prefaults_the_pack_memory_the_first_save_uses(tmp_path):
+    from vllm_layerwise_patch.pool.saving import SaveQueue
+
+    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
+    q = SaveQueue(be, NS)
+    assert q._arena._chunks == []  # lazily allocated unless reserved
+    q.reserve()
+    (chunk,) = q._arena._chunks
+    q.submit([(b"p0", torch.ones(4096, dtype=torch.uint8))])
+    assert q.commit([b"m"]) is True
+    assert q._arena._chunks == [chunk]  # the first save packed into the reserved chunk
+    q.close()
+    be.close()

@@ -33,6 +33,7 @@ rank releases the pins the scheduler took for them.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -56,6 +57,8 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
                  namespace: bytes, config: Any) -> None:
         super().__init__(layout=layout, backend=backend, namespace=namespace, config=config)
         self.tp_rank = resolve_tp_rank(layout.tp_size)
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        self.saves_on = ktc is None or bool(ktc.is_kv_producer)
         self.layer_group = layout.layer_group
         self.layer_kind = layout.layer_kind
         self.caches: dict[str, torch.Tensor] = {}
@@ -77,7 +80,11 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         self._reported = {"bytes_loaded": 0, "wait_seconds": 0.0, "load_seconds": 0.0,
                           "blocks_saved": 0,
                           "bytes_saved": 0, "save_seconds": 0.0, "saves_skipped": 0,
-                          "save_failures": 0, "evictions": 0}
+                          "save_failures": 0, "evictions": 0, "save_write_seconds": 0.0,
+                          "save_cpu_seconds": 0.0, "save_hook_seconds": 0.0,
+                          "precopy_seconds": 0.0}
+        self._hook_seconds = 0.0  # the forward thread's time in the save hooks
+        self._precopy_seconds = 0.0  # ... in the per-layer mamba pre-copy
 
     # -- layout ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -107,6 +114,8 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         self._events: list | None = [] if self.config.debug_event_log else None
         self._flushed = 0
         self.saver = SaveQueue(self.backend, self.ns, events=self._events)
+        if self.saves_on:  # pre-fault the pack memory now, not in the first request
+            self.saver.reserve()
         self.device = next(iter(self.caches.values())).device if self.caches else None
 
     def page(self, layer: str, block_id: int) -> torch.Tensor:
@@ -153,7 +162,9 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
         self.pipeline.wait(layer)
         if self._model_state is not None:
+            t0 = time.perf_counter()
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
+            self._precopy_seconds += time.perf_counter() - t0
         # attention layers get no separate fence call from vLLM: their compute
         # starts right after this wait
         self.pipeline.record_compute_start(self.device)
@@ -221,8 +232,10 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         if not self.layerwise or layer not in self.layer_group:
             return
         # the send thread copies the pages once the compute stream wrote them
+        t0 = time.perf_counter()
         self.saver.submit(self._save_pages(layer), self.device)
         self._saved_layers.add(layer)
+        self._hook_seconds += time.perf_counter() - t0
 
     def wait_for_save(self) -> None:
         meta = self._meta
@@ -230,6 +243,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
             return
         if self.layerwise:
             self.pipeline.drain()
+        t0 = time.perf_counter()
         failed = self._collect_failures()
         if meta.loads:
             self._release_pins(meta.loads)
@@ -250,6 +264,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
             # (now, or - deferred - before the next step's loads and saves)
             self.saver.commit(markers, exclude=exclude, blocks=blocks_saved,
                               wait=not self.config.defer_last_save)
+        self._hook_seconds += time.perf_counter() - t0
         if self._events is not None:
             self._flush_events()
         if self.pipeline is not None:  # fold running totals in
@@ -258,7 +273,9 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
                    "load_seconds": p.load_seconds, "bytes_saved": q.bytes_saved,
                    "blocks_saved": q.blocks_saved,
                    "save_seconds": q.seconds, "saves_skipped": q.skipped,
-                   "save_failures": q.failures,
+                   "save_failures": q.failures, "save_write_seconds": q.write_seconds,
+                   "save_cpu_seconds": q.cpu_seconds, "save_hook_seconds": self._hook_seconds,
+                   "precopy_seconds": self._precopy_seconds,
                    "evictions": getattr(self.backend, "evicted_groups", 0)}
             self.stats.add(**{k: now[k] - self._reported[k] for k in now})
             self._reported = now
