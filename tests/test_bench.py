@@ -43,6 +43,20 @@ def test_breakdown_parts_add_up_to_the_gap():
     assert b["rest"] == pytest.approx(0.6 - 0.3 - 0.1 - 0.4)
     # a scenario without the torch twin has no pre-copy part
     assert breakdown(RESULTS)["default+torch-kernels"]["interpreted_kernels"] is None
+    assert "save_send_cpu" not in b  # runs without the send thread's counters
+
+
+def test_breakdown_splits_the_saves_per_request_outside_the_sum():
+    results = {"d": {k: dict(v) for k, v in RESULTS["default"].items()}}
+    lw = results["d"]["pool-layerwise"] = dict(results["d"]["pool-layerwise"])
+    lw["save"] = {"GB": 1.0, "seconds": 4.0, "write_seconds": 1.0,
+                  "send_thread_cpu_s": 0.8, "forward_hooks_s": 0.2}
+    lw["layer_precopy_s"] = 0.4
+    b = breakdown(results)["d"]
+    assert b["layer_precopy"] == pytest.approx(0.1)
+    assert b["save_send_cpu"] == pytest.approx(0.2)  # 0.8 s over 4 requests
+    assert b["save_in_forward"] == pytest.approx(0.05)
+    assert b["rest"] == pytest.approx(0.6 - 0.3 - 0.1)  # no torch twin; split not summed
 
 
 def test_summary_names_every_configuration_and_reports_errors():

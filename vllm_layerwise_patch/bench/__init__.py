@@ -32,12 +32,14 @@ NOTES_CPU = [
     "Two cores serve the engine and the pool's load threads: loads compete "
     "with compute here; on a GPU machine they overlap it (see "
     "`benchmarks/bench_gpu_pipeline.py` for the exposed transfer time).",
-    "A pool hit also saves the request's new blocks while it computes: on two "
-    "cores the send thread's packing and copying takes cores from the forward "
-    "(`saves` in the breakdown: `pool-layerwise` minus its `pool-layerwise-"
-    "nosave` twin, which only loads); deferring the step's write past the "
-    "first token (`pool-layerwise-defer`) does not remove it. On a GPU the "
-    "save is a device-to-host copy on its own stream.",
+    "A pool hit also saves the request's new blocks (`saves` in the "
+    "breakdown: `pool-layerwise` minus its `pool-layerwise-nosave` twin, "
+    "which only loads; `save in forward`: the forward thread's time in the "
+    "save hooks per request, `save send cpu`: the send thread's CPU time per "
+    "request). With host KV pages (CPU) the pages are packed in the forward "
+    "thread: handing each layer's pages to the send thread cost ~40 ms per "
+    "request on two cores, far more than the copy. On a GPU the save is a "
+    "device-to-host copy on its own stream, packed by the send thread.",
     "Every TTFT counts from the request's arrival: with concurrency > 1 all "
     "requests arrive at once and at most `concurrency` run together, so later "
     "ones include queueing; with concurrency 1 they are served one after another.",
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             from .server import run_server
 
             only = [c for c in ns.configs.split(",") if c] or None
-            doc = run_server(model, workload, work, cpu=not ns.gpu, configs=only)
+            modes = ("triton",) if ns.gpu else {"both": ("triton", "torch")}.get(
+                ns.cpu_kernels, (ns.cpu_kernels,))
+            doc = run_server(model, workload, work, cpu=not ns.gpu, configs=only, modes=modes)
         else:
             doc = _run_engines(ns, model, workload, scenarios, work)
         doc["model"] = {"path": model if ns.model != "tiny" else "tiny (built in a temporary "

@@ -45,7 +45,14 @@ def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float |
     ``kv_consumer`` twin), ``exposed_load_wait`` (the forward's wait on loads,
     per request), ``interpreted_kernels`` (on CPU, the gap's part that the
     host pre-copy and zeroing stand-ins remove: the emulation's cost) and ``rest``
-    (lookups, metadata, page copies, load threads competing for the cores)."""
+    (lookups, metadata, page copies, load threads competing for the cores).
+    Where ``saves`` goes, per request (not parts of the sum): ``save_in_forward``
+    (the forward thread's time in the save hooks: queueing pages and waiting
+    for the step's write) and ``save_send_cpu`` (the send thread's CPU time:
+    packing and writing, cores taken from the forward); of ``rest``:
+    ``layer_precopy`` (the forward's time in the layerwise path's per-layer
+    mamba pre-copies, per request; vLLM's own once-per-step pre-copy, which an
+    HBM hit runs too, is not in it)."""
     out: dict[str, dict[str, float | None]] = {}
     for key, by_config in results.items():
         lw, hbm, nosave = (_p50(by_config, n) for n in
@@ -64,6 +71,12 @@ def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float |
                 row["interpreted_kernels"] = row["gap"] - (t_lw - t_hbm)
         row["rest"] = row["gap"] - sum(v for k, v in row.items()
                                        if k != "gap" and v is not None)
+        save, n = r.get("save") or {}, r.get("requests") or 0
+        if n and "send_thread_cpu_s" in save:
+            row["save_in_forward"] = save["forward_hooks_s"] / n
+            row["save_send_cpu"] = save["send_thread_cpu_s"] / n
+        if n and "layer_precopy_s" in r:
+            row["layer_precopy"] = r["layer_precopy_s"] / n
         out[key] = {k: (round(v, 4) if v is not None else None) for k, v in row.items()}
     return out
 

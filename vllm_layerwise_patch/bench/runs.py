@@ -179,7 +179,9 @@ def measure(results: list[dict[str, Any]], workload: Workload) -> dict[str, Any]
     cached = sum(o["cached"] for o in outs)
     m = {k: sum(float(x.get(k, 0)) for x in metrics) for k in (
         "External hit tokens loaded", "Loaded (GB)", "Load time (ms)",
-        "Forward wait on loads (ms)", "Saved (GB)", "Save time (ms)")}
+        "Forward wait on loads (ms)", "Saved (GB)", "Save time (ms)",
+        "Save write time (ms)", "Send thread CPU (ms)", "Forward time in save hooks (ms)",
+        "Per-layer state pre-copy (ms)")}
     external = min(m["External hit tokens loaded"], cached)
     load_s = m["Load time (ms)"] / 1e3
     return {
@@ -194,6 +196,10 @@ def measure(results: list[dict[str, Any]], workload: Workload) -> dict[str, Any]
                  "exposed_wait_fraction": (m["Forward wait on loads (ms)"] / 1e3 / load_s
                                            if load_s else None)},
         "forward_wait_s": m["Forward wait on loads (ms)"] / 1e3,
-        "save": {"GB": m["Saved (GB)"], "seconds": m["Save time (ms)"] / 1e3},
+        "layer_precopy_s": m["Per-layer state pre-copy (ms)"] / 1e3,
+        "save": {"GB": m["Saved (GB)"], "seconds": m["Save time (ms)"] / 1e3,
+                 "write_seconds": m["Save write time (ms)"] / 1e3,
+                 "send_thread_cpu_s": m["Send thread CPU (ms)"] / 1e3,
+                 "forward_hooks_s": m["Forward time in save hooks (ms)"] / 1e3},
         "tokens": [o["tokens"] for o in outs],
     }

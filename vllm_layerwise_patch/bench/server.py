@@ -68,7 +68,8 @@ def _sources(server: Any) -> dict[str, float]:
             for s in SOURCES}
 
 
-def _one(config: str, model: str, w: Workload, work: Path, cpu: bool) -> dict[str, Any]:
+def _one(config: str, model: str, w: Workload, work: Path, cpu: bool,
+         torch_kernels: bool = False) -> dict[str, Any]:
     from ..testing.server import VllmServer
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LAYERWISE_PATCH")}
@@ -80,8 +81,10 @@ def _one(config: str, model: str, w: Workload, work: Path, cpu: bool) -> dict[st
     extra = ["--no-enable-prefix-caching"] if config == "no-prefix-cache" else []
 
     def server(tag: str) -> VllmServer:
+        kernels = ({"VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY": "1",
+                    "VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING": "1"} if torch_kernels else {})
         return VllmServer(model, port=_port(), log=work / f"{config}-{tag}.log", pool=pool,
-                          patches=patches, extra=extra)
+                          patches=patches, extra=extra, env=kernels)
 
     with server("first") as s:
         _client(s, model, w, work / f"{config}-first.json", env)
@@ -108,22 +111,30 @@ def _one(config: str, model: str, w: Workload, work: Path, cpu: bool) -> dict[st
 
 
 def run_server(model: str, workload: Workload, work: str, *, cpu: bool = True,
-               configs: list[str] | None = None) -> dict[str, Any]:
+               configs: list[str] | None = None,
+               modes: tuple[str, ...] = ("triton",)) -> dict[str, Any]:
+    """``modes``: on CPU, ``triton`` (vLLM's kernels interpreted) and/or
+    ``torch`` (their byte-identical host stand-ins, ``+torch-kernels``)."""
     from tqdm import tqdm
 
     from .report import _fmt, _ratio
 
+    todo = [(c, m) for m in modes for c in configs or CONFIGS]
     results = {}
-    for config in tqdm(configs or CONFIGS, desc="bench --server", unit="config"):
+    for config, mode in tqdm(todo, desc="bench --server", unit="config"):
+        name = config + ("+torch-kernels" if mode == "torch" else "")
         try:
-            results[config] = _one(config, model, workload, Path(work), cpu)
+            results[name] = _one(config, model, workload, Path(work), cpu, mode == "torch")
         except Exception as exc:  # noqa: BLE001 - reported in the summary
-            results[config] = {"error": f"{type(exc).__name__}: {exc}"}
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     p50 = {c: (r.get("ttft_s") or {}).get("p50") for c, r in results.items()}
-    ratios = {"layerwise_vs_hbm": _ratio(p50.get("pool-layerwise"), p50.get("hbm")),
-              "layerwise_vs_no_prefix_cache": _ratio(p50.get("pool-layerwise"),
-                                                     p50.get("no-prefix-cache")),
-              "layerwise_vs_bulk": _ratio(p50.get("pool-layerwise"), p50.get("pool-bulk"))}
+    ratios = {}
+    for sfx in dict.fromkeys("+torch-kernels" if m == "torch" else "" for m in modes):
+        lw = p50.get("pool-layerwise" + sfx)
+        ratios.update({f"layerwise_vs_hbm{sfx}": _ratio(lw, p50.get("hbm" + sfx)),
+                       f"layerwise_vs_no_prefix_cache{sfx}":
+                           _ratio(lw, p50.get("no-prefix-cache" + sfx)),
+                       f"layerwise_vs_bulk{sfx}": _ratio(lw, p50.get("pool-bulk" + sfx))})
     w = workload
     lines = ["# vllm-layerwise-patch bench --server", "",
              f"`vllm serve` driven by `vllm bench serve` (prefix_repetition: {w.requests} "

@@ -1,7 +1,7 @@
 """The pool's transfer path alone (torch + LMDB, no vLLM), against a memcpy
 of the same bytes in the same run: pool -> KV pages through
-``LayerwisePipeline``, KV pages -> pool through the send thread
-(``SaveQueue``: pack in place with the checksum, one transaction per step);
+``LayerwisePipeline``, KV pages -> pool through ``SaveQueue`` (pack in place with the
+checksum, one transaction per step, written by the send thread);
 memcpy is one thread's copy.
 Used by ``benchmarks/bench_pipeline.py`` and ``bench``'s summary."""
 
@@ -48,8 +48,9 @@ def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, thread
     order = list(caches)
     times: dict[str, list[tuple[float, float]]] = {  # (seconds, memcpy seconds)
         "save_first_pass": [], "save": [], "load": []}
-    # save path: the send thread packs each layer's pages as they are
-    # submitted, then one transaction per "step".  First pass: new keys, the
+    # save path: each layer's pages are packed as they are submitted (host
+    # pages: in the submitting thread, as the worker does on CPU), then the
+    # send thread writes one transaction per "step".  First pass: new keys, the
     # pool's pages touched for the first time by this process; steady state
     # ("save"): the same keys again, the pages the last pass freed reused (a
     # pool at capacity recycles evicted pages the same way; LMDB reuses a

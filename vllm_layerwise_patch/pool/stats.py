@@ -16,7 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
             "bytes_saved", "save_seconds", "blocks_saved", "load_failures",
-            "saves_skipped", "save_failures", "evictions")
+            "saves_skipped", "save_failures", "evictions", "save_write_seconds",
+            "save_cpu_seconds", "save_hook_seconds", "precopy_seconds")
 
 
 @dataclasses.dataclass
@@ -54,6 +55,10 @@ class PoolStats(KVConnectorStats):
             "Save time (ms)": round(d["save_seconds"] * 1e3, 2),
             "Save throughput (GB/s)": round(d["bytes_saved"] / gb / d["save_seconds"], 3)
             if d["save_seconds"] else 0.0,
+            "Save write time (ms)": round(d["save_write_seconds"] * 1e3, 2),
+            "Send thread CPU (ms)": round(d["save_cpu_seconds"] * 1e3, 2),
+            "Forward time in save hooks (ms)": round(d["save_hook_seconds"] * 1e3, 2),
+            "Per-layer state pre-copy (ms)": round(d["precopy_seconds"] * 1e3, 2),
             "Blocks saved": int(d["blocks_saved"]),
             "Requests with failed loads": int(d["load_failures"]),
             "Saves skipped (pool full)": int(d["saves_skipped"]),
