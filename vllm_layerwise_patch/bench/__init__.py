@@ -36,7 +36,10 @@ NOTES_CPU = [
     "breakdown: `pool-layerwise` minus its `pool-layerwise-nosave` twin, "
     "which only loads; `save in forward`: the forward thread's time in the "
     "save hooks per request, `save send cpu`: the send thread's CPU time per "
-    "request). With host KV pages (CPU) the pages are packed in the forward "
+    "request; `layer precopy`: the forward's time in the layerwise path's "
+    "per-layer mamba pre-copies per request over all its steps, where an HBM "
+    "hit runs vLLM's one pre-copy per step: the hit step's share is in "
+    "`rest`). With host KV pages (CPU) the pages are packed in the forward "
     "thread: handing each layer's pages to the send thread cost ~40 ms per "
     "request on two cores, far more than the copy. On a GPU the save is a "
     "device-to-host copy on its own stream, packed by the send thread.",
