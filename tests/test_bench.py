@@ -105,3 +105,25 @@ def test_server_client_uses_the_prefix_repetition_dataset(tmp_path):
         "900", "100")
     assert arg("--num-prompts") == "8" and arg("--max-concurrency") == "4"
     assert arg("--result-filename") == "r.json"
+
+
+def test_gpu_pipeline_benchmark_runs_on_cpu_and_checks_its_copies(tmp_path):
+    """The torch-only pipeline benchmark (meant for a CUDA device) also runs
+    on CPU, where its streams are threads: every path copies every byte (the
+    script asserts it) and the JSON carries the numbers the README quotes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu_pipeline.py"
+    out = tmp_path / "gpu-pipeline.json"
+    subprocess.run([sys.executable, str(script), "--device", "cpu", "--layers", "3",
+                    "--pages", "2", "--page-mib", "0.25", "--compute-ms", "1",
+                    "--repeats", "1", "--out", str(out)], check=True, timeout=300,
+                   capture_output=True)
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["device"] == "cpu" and res["layers"] == 3
+    assert set(res["exposed_transfer_seconds"]) == {"bulk", "layerwise"}
+    assert all(v >= 0 for v in res["exposed_transfer_seconds"].values())
+    assert res["GB_per_s"]["load"] > 0 and res["GB_per_s"]["save"] > 0
