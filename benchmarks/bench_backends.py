@@ -14,8 +14,8 @@ where the backend can, read straight into the pages, registered as the worker
 registers its KV cache, and checked there: Mooncake with a client of its own);
 saves are the backend's ``put_many`` of packed pages (one step's worth).
 ``load_first`` is the first read after the put, ``load`` the next one (a
-prefix is read many times; the reference measured warm reads), ``fetch`` is what ../shared/reference/backends.md measured: the backend's
-per-layer batch reads into its own registered (pre-faulted) buffer, no copy
+prefix is read many times; the reference measured warm reads); ``fetch`` is
+what ../shared/reference/backends.md measured: the backend's per-layer batch reads into its own registered (pre-faulted) buffer, no copy
 into the KV pages - on a GPU that buffer is where the host-to-device copy
 starts; on this CPU-only harness the KV pages are host memory too, so a
 ``load`` that goes through the staging buffer copies every byte twice.
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from vllm_layerwise_patch.bench.transfer import _memcpy
+from vllm_layerwise_patch.bench.transfer import memcpy_seconds
 from vllm_layerwise_patch.pool.backends.base import pack
 from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
 
@@ -89,7 +89,7 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str) 
     def timed(phase: str, fn) -> None:  # (seconds, memcpy seconds right after)
         t0 = time.perf_counter()
         fn()
-        times[phase].append((time.perf_counter() - t0, _memcpy(pairs)))
+        times[phase].append((time.perf_counter() - t0, memcpy_seconds(pairs)))
 
     def fetch(keys_by_layer) -> None:  # into the backend's buffer only
         for keys in keys_by_layer:
@@ -102,14 +102,11 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str) 
         timed("save", lambda: be.put_many(items))
         tasks = {n: [(f"{kind}/{page}/{r}/{n}/{b}".encode(), [dest[n][b]])
                      for b in range(blocks)] for n in order}
-        for t in dest.values():
-            t.zero_()
-        timed("load_first", lambda: pipe.load_all(tasks))  # right after the put
-        assert all(torch.equal(dest[n], src[n]) for n in order), kind
-        for t in dest.values():
-            t.zero_()
-        timed("load", lambda: pipe.load_all(tasks))  # warm: a prefix is read many times
-        assert all(torch.equal(dest[n], src[n]) for n in order), kind
+        for phase in ("load_first", "load"):  # right after the put, then warm
+            for t in dest.values():
+                t.zero_()
+            timed(phase, lambda: pipe.load_all(tasks))
+            assert all(torch.equal(dest[n], src[n]) for n in order), (kind, phase)
         if fetches:
             timed("fetch", lambda: fetch([[k for k, _ in tasks[n]] for n in order]))
         be.delete([k for k, _ in items])

@@ -23,6 +23,8 @@ CPU_TORCH_PRECOPY_ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY"
 #: With ``CPU_V2_ENV``: vLLM's KV-block zeroing kernel runs as ``memset``, not
 #: in the Triton interpreter (``testing.torch_zeroing``; CPU benchmarks and tests).
 CPU_TORCH_ZEROING_ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING"
+#: Both host stand-ins on (the CPU harness's ``+torch-kernels`` runs).
+CPU_TORCH_KERNELS = {CPU_TORCH_PRECOPY_ENV: "1", CPU_TORCH_ZEROING_ENV: "1"}
 REPORT_DIR_ENV = "VLLM_LAYERWISE_PATCH_REPORT_DIR"
 
 TRUE_VALUES = ("1", "true", "yes", "on")

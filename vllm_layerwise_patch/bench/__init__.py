@@ -109,9 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             from .server import run_server
 
             only = [c for c in ns.configs.split(",") if c] or None
-            modes = ("triton",) if ns.gpu else {"both": ("triton", "torch")}.get(
-                ns.cpu_kernels, (ns.cpu_kernels,))
-            doc = run_server(model, workload, work, cpu=not ns.gpu, configs=only, modes=modes)
+            doc = run_server(model, workload, work, cpu=not ns.gpu, configs=only,
+                             modes=_modes(ns))
         else:
             doc = _run_engines(ns, model, workload, scenarios, work)
         doc["model"] = {"path": model if ns.model != "tiny" else "tiny (built in a temporary "
@@ -155,15 +154,21 @@ def _model(ns: argparse.Namespace, work: str) -> tuple[str, str]:
                        f"({ns.layers - max(1, ns.layers // 4)} GDN), hidden {ns.hidden}")
 
 
+def _modes(ns: argparse.Namespace) -> tuple[str, ...]:
+    """The CPU kernel modes to run (``--cpu-kernels``); a GPU runs vLLM's own."""
+    if ns.gpu:
+        return ("triton",)
+    return ("triton", "torch") if ns.cpu_kernels == "both" else (ns.cpu_kernels,)
+
+
 def _run_engines(ns: argparse.Namespace, model: str, workload: Any, scenarios: list[str],
                  work: str) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from .report import breakdown, ratios
+    from .report import breakdown, mode_suffix, ratios
     from .runs import Setup, configs, measure, serve
 
-    modes = ["triton"] if ns.gpu else (["triton", "torch"] if ns.cpu_kernels == "both"
-                                        else [ns.cpu_kernels])
+    modes = _modes(ns)
     only = [c for c in ns.configs.split(",") if c] or None
     todo = [(s, m, c) for s in scenarios for m in modes for c in configs(ns.latency_ms, only)]
     results: dict[str, dict[str, Any]] = {}
@@ -171,7 +176,7 @@ def _run_engines(ns: argparse.Namespace, model: str, workload: Any, scenarios: l
         setup = Setup(model=model, work=work, workload=workload, cpu=not ns.gpu,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
                       torch_kernels=mode == "torch")
-        key = scenario + ("+torch-kernels" if mode == "torch" else "")
+        key = scenario + mode_suffix(mode)
         results.setdefault(key, {})[config.name] = measure(serve(setup, config, scenario),
                                                            workload)
     for by_config in results.values():  # outputs: the same tokens as vLLM's own cache?

@@ -38,6 +38,12 @@ def _p50(by_config: dict[str, Any], name: str) -> float | None:
     return (r.get("ttft_s") or {}).get("p50")
 
 
+def mode_suffix(mode: str) -> str:
+    """How a result's key names the CPU kernels it ran with: ``+torch-kernels``
+    for the host stand-ins, nothing for vLLM's own (interpreted) kernels."""
+    return "+torch-kernels" if mode == "torch" else ""
+
+
 def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Where a pool hit's extra time over an HBM hit goes, per scenario, in
     seconds of median (p50) TTFT - robust to one slow request: ``gap`` (pool-layerwise minus hbm), ``saves``
@@ -63,7 +69,7 @@ def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float |
         wait = r["forward_wait_s"] / r["requests"] if r.get("requests") else None
         row = {"gap": lw - hbm, "saves": lw - nosave if nosave is not None else None,
                "exposed_load_wait": wait, "interpreted_kernels": None}
-        torch_key = key + "+torch-kernels"
+        torch_key = key + mode_suffix("torch")
         if torch_key in results:
             t = results[torch_key]
             t_lw, t_hbm = _p50(t, "pool-layerwise"), _p50(t, "hbm")

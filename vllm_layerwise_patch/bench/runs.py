@@ -35,6 +35,7 @@ import os
 import shutil
 from typing import Any
 
+from ..envvars import CPU_TORCH_KERNELS
 from ..testing.engines import EngineRun, engine_env, kv_metrics
 from .workload import Workload
 
@@ -113,8 +114,7 @@ class Setup:
                 "phases": [{"prompts": self.workload.warmup(), "batch": True}] + phases}
         env = engine_env(config.patches)
         if self.cpu and self.torch_kernels:
-            env["VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY"] = "1"
-            env["VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING"] = "1"
+            env.update(CPU_TORCH_KERNELS)
         if not self.cpu:
             env.pop("VLLM_LAYERWISE_PATCH_CPU_V2", None)
             env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

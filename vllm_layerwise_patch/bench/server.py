@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..envvars import CPU_TORCH_KERNELS
 from .workload import Workload
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -81,10 +82,9 @@ def _one(config: str, model: str, w: Workload, work: Path, cpu: bool,
     extra = ["--no-enable-prefix-caching"] if config == "no-prefix-cache" else []
 
     def server(tag: str) -> VllmServer:
-        kernels = ({"VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY": "1",
-                    "VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING": "1"} if torch_kernels else {})
         return VllmServer(model, port=_port(), log=work / f"{config}-{tag}.log", pool=pool,
-                          patches=patches, extra=extra, env=kernels)
+                          patches=patches, extra=extra,
+                          env=CPU_TORCH_KERNELS if torch_kernels else None)
 
     with server("first") as s:
         _client(s, model, w, work / f"{config}-first.json", env)
@@ -117,19 +117,19 @@ def run_server(model: str, workload: Workload, work: str, *, cpu: bool = True,
     ``torch`` (their byte-identical host stand-ins, ``+torch-kernels``)."""
     from tqdm import tqdm
 
-    from .report import _fmt, _ratio
+    from .report import _fmt, _ratio, mode_suffix
 
     todo = [(c, m) for m in modes for c in configs or CONFIGS]
     results = {}
     for config, mode in tqdm(todo, desc="bench --server", unit="config"):
-        name = config + ("+torch-kernels" if mode == "torch" else "")
+        name = config + mode_suffix(mode)
         try:
             results[name] = _one(config, model, workload, Path(work), cpu, mode == "torch")
         except Exception as exc:  # noqa: BLE001 - reported in the summary
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     p50 = {c: (r.get("ttft_s") or {}).get("p50") for c, r in results.items()}
     ratios = {}
-    for sfx in dict.fromkeys("+torch-kernels" if m == "torch" else "" for m in modes):
+    for sfx in map(mode_suffix, modes):
         lw = p50.get("pool-layerwise" + sfx)
         ratios.update({f"layerwise_vs_hbm{sfx}": _ratio(lw, p50.get("hbm" + sfx)),
                        f"layerwise_vs_no_prefix_cache{sfx}":

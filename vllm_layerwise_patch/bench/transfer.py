@@ -23,7 +23,7 @@ from ..pool.saving import SaveQueue
 NS = b"B" * 16
 
 
-def _memcpy(pairs) -> float:
+def memcpy_seconds(pairs) -> float:
     """Seconds of one thread's memcpy of each (destination, source) pair
     (numpy's copy: torch's spreads over the cores and collapses when another
     process holds one)."""
@@ -64,7 +64,7 @@ def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, thread
                                caches[n][b]) for b in range(blocks)])
             assert saver.commit([])
             if r >= 0:
-                times[phase].append((time.perf_counter() - t0, _memcpy(pairs)))
+                times[phase].append((time.perf_counter() - t0, memcpy_seconds(pairs)))
     saver.close()
     # load path: LayerwisePipeline into fresh pages, all layers
     pipe = LayerwisePipeline(order, be, NS, prefetch=prefetch, threads=threads,
@@ -78,7 +78,7 @@ def run(layers: int, blocks: int, page: int, repeats: int, prefetch: int, thread
         pipe.load_all(tasks)
         took = time.perf_counter() - t0
         assert all(torch.equal(dest[n], caches[n]) for n in order)
-        times["load"].append((took, _memcpy(pairs)))
+        times["load"].append((took, memcpy_seconds(pairs)))
     pipe.close()
     be_writemap = be.writemap
     be.close()
@@ -119,7 +119,7 @@ def save_parts(layers: int, blocks: int, page: int, repeats: int) -> dict:
         arena = PackArena(NS)
         times: dict[str, list[float]] = {"memcpy": [], "pack": [], "write": []}
         for r in range(repeats + 2):  # the first two rounds warm up
-            copy_s = _memcpy(zip(dest, pages))
+            copy_s = memcpy_seconds(zip(dest, pages))
             t1 = time.perf_counter()
             items = [(f"{i}/{b}".encode(), arena.pack(p[b]))
                      for i, p in enumerate(pages) for b in range(blocks)]

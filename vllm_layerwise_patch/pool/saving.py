@@ -2,8 +2,8 @@
 an event recorded on the compute stream; the send thread waits for the event
 and packs each page (header, checksum, one copy into reused host memory)
 while later layers compute (host pages - a CPU "device" - are packed in the
-calling thread instead, see :meth:`SaveQueue.submit`); :meth:`SaveQueue.commit` (once per step) waits
-for the queue to drain and writes the pages and their commit markers in one
+calling thread instead, see :meth:`SaveQueue.submit`); :meth:`SaveQueue.commit`
+(once per step) waits for the queue to drain and writes the pages and their commit markers in one
 backend call (one transaction on LMDB).  Needs only torch and a backend."""
 
 from __future__ import annotations
@@ -140,9 +140,7 @@ class SaveQueue:
             return
         if device is None or device.type == "cpu":
             self.drain()  # a deferred write of the previous step may still use the arena
-            t0 = time.perf_counter()
             self._pack(self._step, None, pages)
-            self.seconds += time.perf_counter() - t0
             return
         self._q.put(("pages", _record_event(device), (self._step, pages)))
 
@@ -179,15 +177,15 @@ class SaveQueue:
                 if kind == "stop":
                     return
                 if kind == "pages":
-                    t0, c0 = time.perf_counter(), time.thread_time()
+                    c0 = time.thread_time()
                     self._pack(b[0], a, b[1])
-                    self.seconds += time.perf_counter() - t0
                     self.cpu_seconds += time.thread_time() - c0
                     continue
                 self._write(a, b)
 
     def _pack(self, step: int, event, pages: list[tuple[bytes, torch.Tensor]]) -> None:
         self._event("pack", step)
+        t0 = time.perf_counter()
         try:
             if event is not None:
                 event.synchronize()
@@ -195,6 +193,7 @@ class SaveQueue:
                 self._items.append((key, self._arena.pack(page)))
         except Exception as exc:  # never into the forward, keep the thread alive
             self._fail(exc)
+        self.seconds += time.perf_counter() - t0
 
     def _write(self, what, how) -> None:
         done, ev = how

@@ -38,6 +38,7 @@ from .keys import ATTN, STATE
 from .layout import PoolLayout
 from .lookup import PoolLookup
 from .metadata import AttnSave, LoadSpec, PoolMetadata, SaveSpec, load_groups, owner_of
+from .side import kv_roles
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -61,10 +62,8 @@ class PoolScheduler(PoolLookup):
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._report_errors: bool | None = None
-        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        ktc, self.loads_on, self.saves_on = kv_roles(vllm_config)
         self.failure_policy = getattr(ktc, "kv_load_failure_policy", None) or "fail"
-        self.loads_on = ktc is None or bool(ktc.is_kv_consumer)
-        self.saves_on = ktc is None or bool(ktc.is_kv_producer)
         self.load_async = bool(config.load_async) and self.loads_on
         self._async_loads: list[LoadSpec] = []
         self._inflight: set[str] = set()  # asynchronous loads not reported done

@@ -10,6 +10,13 @@ from .layout import PoolLayout
 from .logs import LogOnce
 
 
+def kv_roles(vllm_config: Any) -> tuple[Any, bool, bool]:
+    """The engine's KV-transfer config and whether it loads and saves
+    (``kv_both``, or no transfer config: both)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    return ktc, ktc is None or bool(ktc.is_kv_consumer), ktc is None or bool(ktc.is_kv_producer)
+
+
 class PoolSide:
     def __init__(self, *, layout: PoolLayout, backend: Any, namespace: bytes,
                  config: Any) -> None:

@@ -43,7 +43,7 @@ from .keys import ATTN, STATE, draft_marker_key, draft_page_key, layer_id, marke
 from .layout import PoolLayout
 from .pipeline import LayerwisePipeline
 from .saving import SaveQueue
-from .side import PoolSide
+from .side import PoolSide, kv_roles
 from .worker_async import WorkerAsyncLoads
 from .worker_loads import WorkerLoads
 from .worker_env import layerwise_patches_applied, resolve_tp_rank
@@ -57,8 +57,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
                  namespace: bytes, config: Any) -> None:
         super().__init__(layout=layout, backend=backend, namespace=namespace, config=config)
         self.tp_rank = resolve_tp_rank(layout.tp_size)
-        ktc = getattr(vllm_config, "kv_transfer_config", None)
-        self.saves_on = ktc is None or bool(ktc.is_kv_producer)
+        self.saves_on = kv_roles(vllm_config)[2]
         self.layer_group = layout.layer_group
         self.layer_kind = layout.layer_kind
         self.caches: dict[str, torch.Tensor] = {}
@@ -77,12 +76,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         from .stats import PoolStats
 
         self.stats = PoolStats()
-        self._reported = {"bytes_loaded": 0, "wait_seconds": 0.0, "load_seconds": 0.0,
-                          "blocks_saved": 0,
-                          "bytes_saved": 0, "save_seconds": 0.0, "saves_skipped": 0,
-                          "save_failures": 0, "evictions": 0, "save_write_seconds": 0.0,
-                          "save_cpu_seconds": 0.0, "save_hook_seconds": 0.0,
-                          "precopy_seconds": 0.0}
+        self._reported: dict[str, float] = {}  # running totals already added to stats
         self._hook_seconds = 0.0  # the forward thread's time in the save hooks
         self._precopy_seconds = 0.0  # ... in the per-layer mamba pre-copy
 
@@ -277,7 +271,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
                    "save_cpu_seconds": q.cpu_seconds, "save_hook_seconds": self._hook_seconds,
                    "precopy_seconds": self._precopy_seconds,
                    "evictions": getattr(self.backend, "evicted_groups", 0)}
-            self.stats.add(**{k: now[k] - self._reported[k] for k in now})
+            self.stats.add(**{k: now[k] - self._reported.get(k, 0) for k in now})
             self._reported = now
 
     def _flush_events(self) -> None:

@@ -7,9 +7,8 @@ values are copied once, straight into the mapped file, where the default
 mode copies each into malloc'd pages and writes those into the file at
 commit (on tmpfs the write then costs ~1.1x a memcpy's time instead of
 ~4.9x once the pool's pages have been touched; ``benchmarks/bench_pipeline.py``).
-Only then: with
-``writemap``, a write into a part of the file the filesystem cannot back
-is a SIGBUS, not an error - so a file that is not (or can no longer be)
+Only then: with ``writemap``, a write into a part of the file the
+filesystem cannot back is a SIGBUS, not an error - so a file that is not (or can no longer be)
 fully allocated is written the default way, or not at all."""
 
 from __future__ import annotations
