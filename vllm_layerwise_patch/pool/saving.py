@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from .backends.base import HEADER_SIZE, Backend, PoolFull, header, pack
+from .backends.base import HEADER_SIZE, VALUE_OFFSET, Backend, PoolFull, header, pack
 from .logs import LogOnce
 
 
@@ -46,10 +46,10 @@ class PackArena:
             if self._chunk == len(self._chunks):
                 self._chunks.append(self._new_chunk(n))
             buf = self._chunks[self._chunk]
-            if self._off + n <= buf.numel():
-                view = buf[self._off:self._off + n]
-                self._off += (n + 63) & ~63  # keep payloads cache-line aligned
-                return view
+            start = self._off + VALUE_OFFSET  # the payload on a cache line
+            if start + n <= buf.numel():
+                self._off = (start + n + 63) & ~63
+                return buf[start:start + n]
             if self._off == 0:  # a value larger than a chunk: give it its own
                 self._chunks[self._chunk] = self._new_chunk(n)
                 continue

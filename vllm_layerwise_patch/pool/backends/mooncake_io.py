@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from ..keys import COMMIT
-from .base import BackendError
+from .base import VALUE_OFFSET, BackendError
 
 #: Mooncake Store error codes (mooncake-store types.h) and what they mean here
 CODES = {
@@ -46,13 +46,14 @@ class Staging:
 
     def __init__(self, base: int, size: int, regions: int, keepalive: Any) -> None:
         self.base, self.size = base, size
-        self.region_size = size // regions
+        self.region_size = (size - 64) // regions & ~63  # regions on cache lines
         self._keepalive = keepalive
         # one view of the whole buffer: a value's view is a slice of it
         self._mem = memoryview((ctypes.c_ubyte * size).from_address(base)).cast("B")
         self._free: queue.Queue = queue.Queue()
+        first = (base + 63) & ~63
         for i in range(regions):
-            self._free.put(base + i * self.region_size)
+            self._free.put(first + i * self.region_size)
 
     def acquire(self) -> int:
         return self._free.get()
@@ -70,16 +71,18 @@ class Staging:
 
     def runs(self, region: int, sizes: list[int], what: type[Exception] = BackendError):
         """Cut values of ``sizes`` into runs that fit one region: yields (i, j,
-        the addresses of values i..j-1), each value cache-line aligned."""
+        the addresses of values i..j-1), each value's payload cache-line
+        aligned (values start ``VALUE_OFFSET`` past a line)."""
         i = 0
         while i < len(sizes):
             j, used, ptrs = i, 0, []
-            while j < len(sizes) and (j == i or used + sizes[j] <= self.region_size):
-                if sizes[j] > self.region_size:
+            while j < len(sizes) and (j == i or
+                                      used + VALUE_OFFSET + sizes[j] <= self.region_size):
+                if VALUE_OFFSET + sizes[j] > self.region_size:
                     raise what(f"a {sizes[j]}-byte value does not fit a staging region of "
                                f"{self.region_size} bytes: raise mooncake.local_buffer_size")
-                ptrs.append(region + used)
-                used += (sizes[j] + 63) & ~63
+                ptrs.append(region + used + VALUE_OFFSET)
+                used = (used + VALUE_OFFSET + sizes[j] + 63) & ~63
                 j += 1
             yield i, j, ptrs
             i = j
