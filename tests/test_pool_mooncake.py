@@ -96,6 +96,38 @@ def test_put_get_exists_upsert_and_group_delete(cluster):
     be.close()
 
 
+def placement(be, keys: list[bytes]) -> list[str]:
+    """The segment (its transfer endpoint) holding each key's value."""
+    descs = be._store.batch_get_replica_desc([k.decode() for k in keys])
+    return [descs[k.decode()][0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for k in keys]
+
+
+@pytest.mark.parametrize("prefer", [True, False])
+def test_saves_go_to_the_segment_this_process_holds_first(cluster, prefer):
+    # this process holds 32 MiB of the pool, the holder 256 MiB; 48 values of
+    # 1 MiB: the first ones fill this process's segment (its own hits are then
+    # a local copy, not a transfer), the rest fall back to the holder, and
+    # every put succeeds.  Negative control: without the preference Mooncake
+    # spreads them (it does not fill this segment first by chance).
+    probe = backend(cluster.master_address)  # holds nothing: its put goes to the holder
+    probe.put_many([(b"t5%d/probe/L0" % prefer, pack(NS, b"p"))])
+    holder = placement(probe, [b"t5%d/probe/L0" % prefer])[0]
+    probe.close()
+    be = backend(cluster.master_address, global_segment_size="32MiB",
+                 prefer_local_segment=prefer)
+    be.mount_segment()
+    keys = [b"t5%d/g%d/L0" % (prefer, i) for i in range(48)]
+    be.put_many([(k, pack(NS, bytes([i]) * (1 << 20))) for i, k in enumerate(keys)])
+    here = [w != holder for w in placement(be, keys)]
+    assert not all(here), "a 32 MiB segment cannot hold 48 MiB"
+    assert all(here[:24]) is prefer, here
+    got = be.get_many(keys, [(1 << 20) + 64] * len(keys))
+    assert [bytes(unpack(b"k", v, NS))[:1] for v in got] == [bytes([i]) for i in range(48)]
+    be.delete(keys)
+    be.close()
+
+
 def test_no_segment_is_pool_full_and_no_marker_is_written(tmp_path):
     lm = local(tmp_path, holder=0)  # a master with no memory anywhere
     try:

@@ -127,6 +127,12 @@ class MooncakeConfig(BaseModel):
                     "the KV cache is then reachable by the transfer engine's peers like the "
                     "staging buffer, and whether Mooncake can still write into a page after "
                     "reporting its transfer failed is not verified)")
+    prefer_local_segment: bool = Field(
+        default=True,
+        description="saves ask Mooncake to place pages in the segment this process holds "
+                    "(`global_segment_size` > 0; other segments when it is full), so this "
+                    "process's own hits are a local copy instead of a transfer; `false`: "
+                    "Mooncake places them anywhere in the pool")
     reconnect_seconds: Number = Field(
         default=10.0, gt=0, le=3600,
         description="while the master is unreachable, how often to try again")

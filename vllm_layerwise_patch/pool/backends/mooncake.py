@@ -12,8 +12,9 @@ its payload straight into the KV page, checked there before use (a failed
 check fails that load: the request recomputes).  A same-node client can
 register only the holder's shared memory: values are ``batch_get_into`` the
 region, then each is checked and copied into its KV page.  Saves are packed
-into the region and written with ``batch_upsert_from``.  One batch per layer
-keeps the layerwise overlap.
+into the region and written with ``batch_upsert_from``, into the segment this
+process holds first (``prefer_local_segment``: its own hits are then a local
+copy).  One batch per layer keeps the layerwise overlap.
 
 Mooncake's semantics, and what the pool does about them:
 
@@ -94,6 +95,7 @@ class MooncakeBackend(Backend):
         self._staging: Staging | None = None
         self._segment_wanted = False
         self._segment_mounted = False
+        self._local_segment = ""  # this process's segment, where saves go first
         self._memory = Registered()  # host memory for zero-copy loads
         self._down_until = 0.0
         self._down = False
@@ -150,6 +152,8 @@ class MooncakeBackend(Backend):
             if res.get("ret", -1) != 0:
                 raise BackendError(f"Mooncake could not mount a {size}-byte segment: {res}")
             self._segment_mounted = True
+            if self.cfg.prefer_local_segment:
+                self._local_segment = self._store.get_hostname()
             logger.info("vllm-layerwise-patch pool: this process holds %d bytes of the "
                         "Mooncake pool (global_segment_size); they leave with it", size)
 
@@ -296,6 +300,8 @@ class MooncakeBackend(Backend):
 
         config = ReplicateConfig()
         config.replica_num = self.cfg.replica_num
+        if self._local_segment:  # (Mooncake falls back to other segments when full)
+            config.preferred_segment = self._local_segment
         staging = self._staging
         with staging.region() as region:
             for i, j, ptrs in staging.runs(region, [len(v) for _, v in items], PoolFull):
