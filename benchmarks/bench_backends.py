@@ -6,7 +6,11 @@ run, as ratios to a memcpy of the same bytes measured in the same run:
   (``mooncake_client``), reached over TCP loopback;
 * ``mooncake-shm``: the same holder reached through shared memory
   (``client_address``: Mooncake's same-node path);
-* ``mooncake-own``: this process holds the segment (nothing crosses a socket).
+* ``mooncake-own``: this process holds a segment too (the holder still runs)
+  and saves go there first (``prefer_local_segment``): its own hits are local
+  copies, nothing crosses a socket;
+* ``tcp-socket``: not a backend, the ceiling of anything over TCP loopback:
+  one plain kernel socket streaming the same bytes into the same pages.
 
 Loads go through the worker's real path (``LayerwisePipeline``: per-layer
 ``read_many`` batches, header and length checked, copied into KV pages - or,
@@ -58,7 +62,8 @@ def _open(kind: str, cluster, tmp: str, capacity: int):
     from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
 
     mc = {"master_address": cluster.master_address, "local_buffer_size": "128MiB",
-          "global_segment_size": 0, "zero_copy_loads": True}  # the opt-in fast path
+          "global_segment_size": 0, "zero_copy_loads": True,  # the opt-in fast path
+          "prefer_local_segment": True}  # (the default)
     if kind == "mooncake-shm":
         mc["client_address"] = cluster.holder_address
     if kind == "mooncake-own":
@@ -124,13 +129,57 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str) 
                                 for k, v in times.items()}}
 
 
+def socket_case(page: int, total: int, repeats: int) -> dict:
+    """The same bytes through one loopback TCP stream (a sender thread, the
+    receiver ``recv_into`` the destination pages): the kernel's ceiling."""
+    import socket
+    import threading
+
+    blocks = max(1, total // (LAYERS * page))
+    src = torch.randint(0, 256, (LAYERS, blocks * page), dtype=torch.uint8)
+    dest = torch.zeros_like(src)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def send() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while conn.recv(1):
+                for layer in src:
+                    conn.sendall(layer.numpy())
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    times = []
+    with socket.create_connection(listener.getsockname()) as sock:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sock.sendall(b"g")
+            for layer in dest:
+                view, got = memoryview(layer.numpy()), 0
+                while got < len(view):
+                    got += sock.recv_into(view[got:])
+            times.append((time.perf_counter() - t0, memcpy_seconds([(dest, src)])))
+            assert torch.equal(dest, src)
+    sender.join(10)
+    listener.close()
+    gb = src.numel() / 1e9
+    med = statistics.median(t for t, _ in times)
+    return {"backend": "tcp-socket", "page_bytes": page, "pages_per_layer": blocks,
+            "layers": LAYERS, "bytes_per_pass": src.numel(), "repeats": repeats,
+            "median_seconds": {"load": round(med, 5)},
+            "GB_per_s": {"load": round(gb / med, 3),
+                         "memcpy": round(gb / statistics.median(m for _, m in times), 3)},
+            "ratio_to_memcpy": {"load": round(statistics.median(m / t for t, m in times), 3)}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                    "backends.json"))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mib-per-pass", type=int, default=64)
-    ap.add_argument("--backends", default="lmdb,mooncake-tcp,mooncake-shm,mooncake-own")
+    ap.add_argument("--backends",
+                    default="lmdb,mooncake-tcp,mooncake-shm,mooncake-own,tcp-socket")
     args = ap.parse_args()
     kinds = args.backends.split(",")
     from vllm_layerwise_patch.mooncake_local import LocalMooncake, free_port
@@ -146,7 +195,9 @@ def main() -> None:
     try:
         for page in (160 << 10, 2 << 20):
             for kind in kinds:
-                r = run_case(kind, cluster, page, args.mib_per_pass << 20, args.repeats, tmp)
+                total = args.mib_per_pass << 20
+                r = (socket_case(page, total, args.repeats) if kind == "tcp-socket" else
+                     run_case(kind, cluster, page, total, args.repeats, tmp))
                 results.append(r)
                 parts = ", ".join(f"{k} {r['GB_per_s'][k]:5.2f} GB/s "
                                   f"({r['ratio_to_memcpy'][k]:.2f}x)"

@@ -127,3 +127,26 @@ def test_gpu_pipeline_benchmark_runs_on_cpu_and_checks_its_copies(tmp_path):
     assert set(res["exposed_transfer_seconds"]) == {"bulk", "layerwise"}
     assert all(v >= 0 for v in res["exposed_transfer_seconds"].values())
     assert res["GB_per_s"]["load"] > 0 and res["GB_per_s"]["save"] > 0
+
+
+def test_backend_benchmark_loads_every_byte_and_saves_ratios(tmp_path):
+    """bench_backends on LMDB, a Mooncake client holding a segment (a real
+    loopback master and holder) and the plain-socket ceiling: every load is
+    checked byte for byte by the script, the JSON has a ratio per phase."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_backends.py"
+    out = tmp_path / "backends.json"
+    subprocess.run([sys.executable, str(script), "--backends", "lmdb,mooncake-own,tcp-socket",
+                    "--mib-per-pass", "4", "--repeats", "1", "--out", str(out)],
+                   check=True, timeout=300, capture_output=True)
+    rows = json.loads(out.read_text())["results"]
+    assert sorted({(r["backend"], r["page_bytes"]) for r in rows}) == sorted(
+        (b, p) for b in ("lmdb", "mooncake-own", "tcp-socket") for p in (160 << 10, 2 << 20))
+    phases = {r["backend"]: set(r["ratio_to_memcpy"]) for r in rows}
+    assert phases == {"lmdb": {"save", "load_first", "load"}, "tcp-socket": {"load"},
+                      "mooncake-own": {"save", "load_first", "load", "fetch"}}
+    assert all(v > 0 for r in rows for v in r["ratio_to_memcpy"].values())
