@@ -75,6 +75,7 @@ def test_self_check_failure_is_reported_and_exit_1():
     report = json.loads(proc.stdout)
     row = {p["id"]: p for p in report["patches"]}["deferred-mamba-precopy"]
     assert row["state"] == "applied" and row["self_check"] == "failed"
+    assert "no usable Triton" in row["self_check_detail"], row["self_check_detail"]
     assert proc.returncode == 1 and not report["ok"]
 
 

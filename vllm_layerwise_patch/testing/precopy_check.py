@@ -168,8 +168,12 @@ def has_replayssm_context() -> bool:
 
 def compare_bulk_and_per_layer(seed: int = 0) -> str:
     """Both comparisons this release needs; a one-line account of them."""
+    from vllm.triton_utils import HAS_TRITON
     from vllm.v1.worker import mamba_utils as mu
 
+    if not HAS_TRITON:  # (the kernels are stubs: say why instead of a TypeError)
+        raise RuntimeError("cannot run vLLM's pre-copy kernel: vLLM found no usable Triton "
+                           "backend here (Model Runner V2 will not start either)")
     moved = compare_once(seed)
     text = f"per-layer launches moved the same {moved} bytes as the bulk pre-copy"
     if has_replayssm_context():
