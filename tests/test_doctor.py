@@ -195,3 +195,18 @@ def test_subcommands_pass_their_arguments_on():
         assert f"vllm_layerwise_patch {command} [-h]" in proc.stdout, proc.stdout
     proc = run_py(DOCTOR.format(args=["--no-such-option"]), check=False)
     assert proc.returncode == 2 and "unrecognized arguments: --no-such-option" in proc.stderr
+
+
+def test_pool_backends_name_the_installed_wheels_and_a_store_that_does_not_load():
+    proc = doctor(["--json"], clean_env())
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, load_schema())
+    pools = report["environment"]["pool_backends"]
+    assert pools["lmdb"] and pools["mooncake"].startswith("mooncake-transfer-engine-non-cuda ")
+    assert not any("mooncake" in w for w in report["warnings"])
+    # negative control: a Mooncake whose store cannot load (as without
+    # libibverbs1) is reported, with a warning, instead of looking installed
+    broken = "import sys; sys.modules['mooncake.store'] = None\n"
+    report = json.loads(doctor(["--json"], clean_env(), prelude=broken).stdout)
+    assert "does not load" in report["environment"]["pool_backends"]["mooncake"]
+    assert any("backend 'mooncake' cannot work here" in w for w in report["warnings"])

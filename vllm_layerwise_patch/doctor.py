@@ -48,6 +48,33 @@ def _version(dist: str) -> str | None:
         return None
 
 
+MOONCAKE_WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+
+
+def pool_backends(warnings: list[str]) -> dict[str, str | None]:
+    """The pool's storage libraries as installed: ``lmdb`` and ``mooncake``
+    (which wheel, and whether its store loads: it needs libibverbs.so.1)."""
+    lmdb = _version("lmdb")
+    found = [(d, v) for d in MOONCAKE_WHEELS if (v := _version(d))]
+    mooncake = None
+    if len(found) > 1:
+        warnings.append("both Mooncake wheels are installed (they provide the same package "
+                        "`mooncake`, one overwrites the other): keep "
+                        "mooncake-transfer-engine-non-cuda on CPU machines, "
+                        "mooncake-transfer-engine on GPU machines")
+    if found:
+        mooncake = " ".join(found[0])
+        try:
+            importlib.import_module("mooncake.store")
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            why = f"{type(exc).__name__}: {exc}"
+            hint = (" (apt-get install libibverbs1: Mooncake needs it even for TCP)"
+                    if "libibverbs" in why else "")
+            mooncake += f" - its store does not load: {why}{hint}"
+            warnings.append(f"backend 'mooncake' cannot work here: {why}{hint}")
+    return {"lmdb": lmdb, "mooncake": mooncake}
+
+
 def _entry_point_registered() -> bool:
     return any(
         ep.value.startswith("vllm_layerwise_patch")
@@ -137,6 +164,7 @@ def collect(engine_args: list[str] | None = None) -> dict[str, Any]:
         "platform": env.platform,
         "platform_plugins": [b.label for b in env.plugins],
         "vllm_import_error": vllm_import_error,
+        "pool_backends": pool_backends(warnings),
     }
     from .config_checks import EngineArgsError, engine_args_checks, env_checks
 
@@ -224,6 +252,9 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  {'plugins':<10}{', '.join(e['platform_plugins'])}"[: WIDTH - 1])
     if e["vllm_import_error"]:
         lines += _wrap(f"vLLM import error: {e['vllm_import_error']}", 2)
+    pools = e.get("pool_backends") or {}
+    lines += _wrap(f"{'pool':<10}lmdb {pools.get('lmdb') or 'not installed'}; mooncake "
+                   f"{pools.get('mooncake') or 'not installed'}", 2)
     lines += ["", "activation"]
     val = a["value"]
     lines += _wrap(f"{a['variable']}={val!r} -> "
