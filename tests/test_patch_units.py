@@ -44,6 +44,35 @@ def test_per_layer_precopy_moves_exactly_the_bulk_bytes():
     assert pending == ["model.layers.2.linear_attn"]
 
 
+def test_copy_all_is_the_bulk_precopy_and_then_per_layer_calls_do_nothing():
+    # a step without loads (decode) runs the deferred pre-copy in vLLM's one
+    # bulk launch; once a layer was copied on its own, copy_all declines
+    out = run_py(
+        """
+        import json
+        from vllm_layerwise_patch.testing import precopy_check as pc
+        bulk, allcase, partial = pc.build_case(1), pc.build_case(1), pc.build_case(1)
+        before = bulk["raw"].clone()
+        pc.run_bulk(bulk)
+        handle = pc.run_per_layer(allcase, layers=[])
+        ran = handle.copy_all()
+        after = [handle.copy_layer(n) for n in allcase["names"]]
+        same = bool((bulk["raw"] == allcase["raw"]).all())
+        moved = int((bulk["raw"] != before).sum())
+        part = pc.run_per_layer(partial, layers=partial["names"][:1])
+        declined = part.copy_all()
+        print("RESULT", json.dumps([ran, after, same, moved, handle.launched,
+                                    sorted(handle.pending), declined, len(part.pending)]))
+        """,
+        env=CPU_V2,
+    ).stdout
+    ran, after, same, moved, launched, pending, declined, left = json.loads(
+        out.split("RESULT", 1)[1])
+    assert ran is True and same and moved > 0 and launched == 1 and pending == []
+    assert not any(after)
+    assert declined is False and left == 2
+
+
 def test_layer_hook_protocol_on_the_real_gdn_class():
     out = run_py(
         """
@@ -139,8 +168,9 @@ def test_multi_module_patch_applies_at_import_in_a_fresh_process():
         import vllm_layerwise_patch as v
         st = v.status()["deferred-mamba-precopy"]
         print("RESULT", st["state"], st["reason"] or "-",
-              hasattr(m.MambaHybridModelState, "do_mamba_copy_for_layer"))
+              hasattr(m.MambaHybridModelState, "do_mamba_copy_for_layer"),
+              hasattr(m.MambaHybridModelState, "do_mamba_copy_all"))
         """,
         env=clean_env(VLLM_LAYERWISE_PATCH="1", VLLM_LAYERWISE_PATCH_CPU_V2="1"),
     ).stdout
-    assert out.split("RESULT", 1)[1].split() == ["applied", "-", "True"]
+    assert out.split("RESULT", 1)[1].split() == ["applied", "-", "True", "True"]

@@ -94,6 +94,29 @@ def test_fresh_engine_hits_the_pool_with_identical_tokens(tiny_model_dir, work, 
     assert sum(float(f["Saved (GB)"]) for f in lines) > 0
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_steps_without_pool_loads_run_the_precopy_in_bulk(tiny_model_dir, work, baseline,
+                                                          skip):
+    # A fresh pool: P and PB are cold, computed in 640-token chunks, and each
+    # chunk after the first moves the state into a new block (the align
+    # pre-copy).  Those steps load nothing from the pool, so the worker runs
+    # the step's deferred pre-copy in one bulk launch when its metadata is
+    # bound; PA loads its hit (P's pages, one forward: the cold run is the
+    # oracle) layer by layer.  Negative control: skipping the bulk copy
+    # changes the cold prompts' tokens (were the copies still made per layer,
+    # skipping would change nothing).
+    pool = {"path": str(work / f"fresh-pool-{skip}"), "capacity": "64MiB",
+            "debug_skip_bulk_precopy": skip}
+    res = engine(tiny_model_dir, work, [P, PA, PB], pool=pool)
+    assert res["error"] is None, res["error"]
+    assert [o["cached"] for o in res["out"]] == [0, 2 * BLOCK, 0]
+    same = [a == b for a, b in zip(toks(res), toks(baseline)[:3])]
+    if skip:
+        assert same[0] is False and same[2] is False, same
+    else:
+        assert same == [True] * 3
+
+
 def test_negative_control_mamba_state_left_out_changes_tokens(tiny_model_dir, work,
                                                               pool_a, baseline):
     res = engine(tiny_model_dir, work, [P], pool=dict(pool_a, debug_skip_mamba_load=True))

@@ -11,6 +11,11 @@ A connector that loads mamba state layer by layer implements:
 * inside ``wait_for_layer_load(layer_name)``, after the connector's own load of
   that layer completed: ``model_state.do_mamba_copy_for_layer(layer_name)``
   (a no-op for non-mamba layers and for a layer already copied);
+* optionally, once it knows that no layer of this step loads anything (its
+  step metadata is bound after ``preprocess_state``):
+  ``model_state.do_mamba_copy_all()`` - the whole step's pre-copy now, in
+  vLLM's one bulk launch (what stock vLLM runs), instead of one launch per
+  layer; the per-layer calls that follow are no-ops;
 * ``finish_mamba_state_copy()`` - called once by the next step's
   ``preprocess_state`` after it verified that every deferred layer was copied
   (a layer left pending raises ``RuntimeError`` naming it); idempotent.
@@ -35,6 +40,9 @@ REQUIRES_ATTR = "requires_mamba_state_copy_after_layer_load"
 PREPARE = "prepare_mamba_state_copy"
 FINISH = "finish_mamba_state_copy"
 COPY_FOR_LAYER = "do_mamba_copy_for_layer"
+COPY_ALL = "do_mamba_copy_all"
+#: where the patched model state keeps this step's DeferredMambaCopy
+DEFERRED_ATTR = "_vlp_deferred_mamba_copy"
 COMPUTE_START = "on_layer_compute_start"
 
 
@@ -163,3 +171,20 @@ class DeferredMambaCopy:
         self.pending.discard(layer_name)
         self.launched += 1
         return True
+
+    def copy_all(self) -> bool:
+        """Every layer still pending at once, with vLLM's own bulk launch
+        (``run_fused_precopy``: what the step would have run unpatched);
+        False when a layer was already copied (the rest stay per layer)."""
+        if self.pending != set(self.rows) or not self.pending:
+            return False
+        self.ctx.run_fused_precopy(self.num_reqs, self.state_idx, self.src_col,
+                                   self.token_bias, self.idx_mapping)
+        self.pending.clear()
+        self.launched += 1
+        return True
+
+
+def deferred_copy(model_state: Any) -> DeferredMambaCopy | None:
+    """This step's deferred pre-copy of ``model_state``, if any."""
+    return vars(model_state).get(DEFERRED_ATTR)

@@ -30,6 +30,10 @@ How: the decision kernel always runs unchanged (and, on 0.34, ReplaySSM's
   (_get_mamba_gpu_state_copy_funcs from 0.34). On 0.30/0.31 the patch builds
   the align context first, with the same _ensure_align_ctx call
   preprocess_state itself makes (idempotent), so the first step defers too.
+  A connector that learns (when its step metadata is bound) that no layer
+  loads anything this step calls model_state.do_mamba_copy_all(): the
+  step's bulk run_fused_precopy, once, as unpatched vLLM runs it, and the
+  per-layer calls are then no-ops (decode steps keep one launch).
   The next preprocess_state first checks every deferred layer ran
   (RuntimeError naming the missing ones otherwise) and calls the
   connector's finish_mamba_state_copy(). With no connector, or the deferral
@@ -50,6 +54,7 @@ from __future__ import annotations
 import logging
 
 from ..copy_protocol import (
+    DEFERRED_ATTR,
     FINISH,
     PREPARE,
     DeferredMambaCopy,
@@ -72,7 +77,7 @@ RUN_PRECOPY = Target(
 MODEL_STATE = Target("vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState")
 _UPSTREAM = "vllm-ascend#15479 (AscendMambaHybridModelState deferred pre-copy)"
 
-_DEFERRED = "_vlp_deferred_mamba_copy"
+_DEFERRED = DEFERRED_ATTR
 _ROWS = "_vlp_mamba_layer_rows"
 
 
@@ -165,9 +170,18 @@ def do_mamba_copy_for_layer(self, layer_name: str) -> bool:
     return handle.copy_layer(layer_name) if handle is not None else False
 
 
+def do_mamba_copy_all(self) -> bool:
+    """Launch this step's whole deferred pre-copy now, in bulk (no layer of
+    the step loads state); True if it ran, False when nothing was deferred
+    or a layer was already copied."""
+    handle = self.__dict__.get(_DEFERRED)
+    return handle.copy_all() if handle is not None else False
+
+
 def _install(installer) -> None:
     installer.wrap(PREPROCESS, _preprocess_state)
     installer.add(MODEL_STATE, "do_mamba_copy_for_layer", do_mamba_copy_for_layer)
+    installer.add(MODEL_STATE, "do_mamba_copy_all", do_mamba_copy_all)
 
 
 def _self_check() -> str:

@@ -230,6 +230,9 @@ class PoolConfig(BaseModel):
     debug_copy_before_wait: bool = _debug(
         False, "run a layer's deferred state copy before its load completes (shows the "
                "order matters)")
+    debug_skip_bulk_precopy: bool = _debug(
+        False, "a step that loads nothing skips its bulk state pre-copy (shows that copy "
+               "is what gives a prefix-cache hit its state)")
     debug_backend_fault: Literal["", "lookup", "load", "save"] = _debug(
         "", "this backend operation raises (shows a fault is a miss, a recompute or a "
             "skipped save)")

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..copy_protocol import COPY_FOR_LAYER
+from ..copy_protocol import COPY_ALL, COPY_FOR_LAYER, deferred_copy
 from .keys import ATTN, STATE, draft_marker_key, draft_page_key, layer_id, marker_key, page_key
 from .layout import PoolLayout
 from .pipeline import LayerwisePipeline
@@ -135,6 +135,16 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         if self.layerwise and meta.loads:
             self.pipeline.start(self._debug_fail(self._load_tasks(meta, bulk=False)),
                                 tolerate_errors=self._tolerate(meta))
+        elif self._model_state is not None:
+            # nothing loads this step (decode): the deferred pre-copy in one
+            # bulk launch, as vLLM runs it, not one per layer
+            t0 = time.perf_counter()
+            handle = deferred_copy(self._model_state)
+            if self.config.debug_skip_bulk_precopy and handle is not None:
+                handle.pending.clear()  # negative control (tests): no copy at all
+            else:
+                getattr(self._model_state, COPY_ALL, lambda: False)()
+            self._precopy_seconds += time.perf_counter() - t0
 
     def start_load_kv(self) -> None:
         # asynchronous loads start here: after the forward (or in a step
