@@ -378,11 +378,14 @@ def test_engine_tokens_identical_with_torch_precopy(tiny_model_dir, tmp_path):
                         torch_["log"])
     assert summary, torch_["log"][-3000:]
     launches, moved, ms = int(summary[1]), int(summary[2]), float(summary[3])
-    assert moved > 0 and launches % GDN_LAYERS == 0, summary[0]
+    # PA's and P's hit steps load from the pool: one launch per GDN layer;
+    # every other step (cold chunks, decode) loads nothing: one bulk launch
+    loading_steps = 2
+    assert moved > 0 and launches > loading_steps * GDN_LAYERS, summary[0]
     zeroing = re.search(r"host zeroing: (\d+) launches, (\d+) bytes written", torch_["log"])
     assert zeroing and int(zeroing[1]) > 0 and int(zeroing[2]) > 0, torch_["log"][-3000:]
     assert "host zeroing" not in interp["log"]
-    steps = launches // GDN_LAYERS  # the layerwise path: one launch per GDN layer per step
+    steps = launches - loading_steps * (GDN_LAYERS - 1)
 
     def serving(res: dict) -> float | None:
         """Seconds from engine start to the end, without process start-up:
@@ -395,7 +398,7 @@ def test_engine_tokens_identical_with_torch_precopy(tiny_model_dir, tmp_path):
     s_interp, s_torch = serving(interp), serving(torch_)
     if s_interp is None or s_torch is None:  # measure with the processes' wall time
         s_interp, s_torch = t_interp, t_torch
-    print(f"\nengine (3 prompts, {steps} steps, {launches} per-layer pre-copy launches): "
+    print(f"\nengine (3 prompts, {steps} steps, {launches} pre-copy launches): "
           f"serving {s_interp:.1f} s with the interpreted kernel, {s_torch:.1f} s with "
           f"torch: {(s_interp - s_torch) / steps * 1e3:.0f} ms less per step (torch "
           f"pre-copy itself {ms / steps:.1f} ms per step; process wall time "

@@ -23,9 +23,10 @@ On CPU each configuration also runs with vLLM's mamba pre-copy and KV-block
 zeroing kernels on the host (``torch_kernels``: the byte-identical stand-ins
 of ``testing.torch_precopy`` and ``testing.torch_zeroing``): the Triton
 interpreter's cost per kernel launch is an artifact of the emulation, the
-layerwise path launches the pre-copy once per linear-attention layer where
-vLLM launches it once, and a pool hit's blocks are new allocations that vLLM
-zeroes (~65 ms a block interpreted) where an HBM hit's are not.
+layerwise path launches the pre-copy once per linear-attention layer in a
+step that loads from the pool where vLLM launches it once, and a pool hit's
+blocks are new allocations that vLLM zeroes (~65 ms a block interpreted)
+where an HBM hit's are not.
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def measure(results: list[dict[str, Any]], workload: Workload) -> dict[str, Any]
         "External hit tokens loaded", "Loaded (GB)", "Load time (ms)",
         "Forward wait on loads (ms)", "Saved (GB)", "Save time (ms)",
         "Save write time (ms)", "Send thread CPU (ms)", "Forward time in save hooks (ms)",
-        "Per-layer state pre-copy (ms)")}
+        "State pre-copy (ms)")}
     external = min(m["External hit tokens loaded"], cached)
     load_s = m["Load time (ms)"] / 1e3
     return {
@@ -196,7 +197,7 @@ def measure(results: list[dict[str, Any]], workload: Workload) -> dict[str, Any]
                  "exposed_wait_fraction": (m["Forward wait on loads (ms)"] / 1e3 / load_s
                                            if load_s else None)},
         "forward_wait_s": m["Forward wait on loads (ms)"] / 1e3,
-        "layer_precopy_s": m["Per-layer state pre-copy (ms)"] / 1e3,
+        "layer_precopy_s": m["State pre-copy (ms)"] / 1e3,
         "save": {"GB": m["Saved (GB)"], "seconds": m["Save time (ms)"] / 1e3,
                  "write_seconds": m["Save write time (ms)"] / 1e3,
                  "send_thread_cpu_s": m["Send thread CPU (ms)"] / 1e3,

@@ -58,7 +58,7 @@ class PoolStats(KVConnectorStats):
             "Save write time (ms)": round(d["save_write_seconds"] * 1e3, 2),
             "Send thread CPU (ms)": round(d["save_cpu_seconds"] * 1e3, 2),
             "Forward time in save hooks (ms)": round(d["save_hook_seconds"] * 1e3, 2),
-            "Per-layer state pre-copy (ms)": round(d["precopy_seconds"] * 1e3, 2),
+            "State pre-copy (ms)": round(d["precopy_seconds"] * 1e3, 2),
             "Blocks saved": int(d["blocks_saved"]),
             "Requests with failed loads": int(d["load_failures"]),
             "Saves skipped (pool full)": int(d["saves_skipped"]),

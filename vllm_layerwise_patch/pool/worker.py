@@ -78,7 +78,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         self.stats = PoolStats()
         self._reported: dict[str, float] = {}  # running totals already added to stats
         self._hook_seconds = 0.0  # the forward thread's time in the save hooks
-        self._precopy_seconds = 0.0  # ... in the per-layer mamba pre-copy
+        self._precopy_seconds = 0.0  # ... in the deferred mamba pre-copies
 
     # -- layout ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -4,7 +4,8 @@ Under the CPU Model Runner V2 emulation (:mod:`.cpu_v2`) every ``@triton.jit``
 kernel runs in Triton's interpreter.  One interpreted launch of
 ``vllm.v1.worker.mamba_utils.precopy_mamba_align_fused_kernel`` costs
 ~170-190 ms on CPU, and the overlay's layerwise path launches it once per GDN
-layer (``deferred-mamba-precopy``) where stock vLLM launches it once per step:
+layer (``deferred-mamba-precopy``) in a step that loads from the pool, where
+stock vLLM launches it once per step:
 CPU timings of the two paths then measure the interpreter, not the design
 (DESIGN.md §8).  :func:`precopy_mamba_align_torch` moves the same bytes with
 torch operations on CPU tensors, in a few milliseconds.
