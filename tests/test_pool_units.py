@@ -116,6 +116,26 @@ def test_payloads_are_cache_line_aligned_wherever_the_pool_lays_values_out(tmp_p
     be.close()
 
 
+def test_pack_arena_values_of_any_size_up_to_and_over_a_chunk():
+    # chunk-sized and larger pages get a chunk of their own (with room for
+    # the offset that puts their payload on a cache line), smaller ones share
+    import signal
+
+    from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE
+    from vllm_layerwise_patch.pool.saving import PackArena
+
+    arena = PackArena(b"N" * 16)
+    arena.CHUNK = 4096
+    signal.alarm(20)  # a value that never fits must fail, not spin
+    try:
+        for n in (100, 4096 - HEADER_SIZE, 4096, 3 * 4096 + 5, 64):
+            page = torch.arange(n, dtype=torch.int64).to(torch.uint8)
+            value = arena.pack(page)
+            assert bytes(unpack(b"k", value, b"N" * 16)) == bytes(page.numpy())
+    finally:
+        signal.alarm(0)
+
+
 def test_lmdb_evicts_least_recently_used_whole_blocks(tmp_path):
     be = LmdbBackend(str(tmp_path / "p"), 4 << 20)
     be.put_many(_block(0))

@@ -44,14 +44,14 @@ class PackArena:
     def _alloc(self, n: int) -> torch.Tensor:
         while True:
             if self._chunk == len(self._chunks):
-                self._chunks.append(self._new_chunk(n))
+                self._chunks.append(self._new_chunk(VALUE_OFFSET + n))
             buf = self._chunks[self._chunk]
             start = self._off + VALUE_OFFSET  # the payload on a cache line
             if start + n <= buf.numel():
                 self._off = (start + n + 63) & ~63
                 return buf[start:start + n]
             if self._off == 0:  # a value larger than a chunk: give it its own
-                self._chunks[self._chunk] = self._new_chunk(n)
+                self._chunks[self._chunk] = self._new_chunk(VALUE_OFFSET + n)
                 continue
             self._chunk, self._off = self._chunk + 1, 0
 
