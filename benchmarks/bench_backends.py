@@ -117,6 +117,12 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str) 
         be.delete([k for k, _ in items])
     pipe.close()
     be.close()
+    return summarize(kind, page, blocks, nbytes, repeats, times)
+
+
+def summarize(kind: str, page: int, blocks: int, nbytes: int, repeats: int,
+              times: dict[str, list[tuple[float, float]]]) -> dict:
+    """One result row from each phase's (seconds, memcpy seconds) passes."""
     times = {k: v for k, v in times.items() if v}
     med = {k: statistics.median(t for t, _ in v) for k, v in times.items()}
     med["memcpy"] = statistics.median(m for v in times.values() for _, m in v)
@@ -162,14 +168,7 @@ def socket_case(page: int, total: int, repeats: int) -> dict:
             assert torch.equal(dest, src)
     sender.join(10)
     listener.close()
-    gb = src.numel() / 1e9
-    med = statistics.median(t for t, _ in times)
-    return {"backend": "tcp-socket", "page_bytes": page, "pages_per_layer": blocks,
-            "layers": LAYERS, "bytes_per_pass": src.numel(), "repeats": repeats,
-            "median_seconds": {"load": round(med, 5)},
-            "GB_per_s": {"load": round(gb / med, 3),
-                         "memcpy": round(gb / statistics.median(m for _, m in times), 3)},
-            "ratio_to_memcpy": {"load": round(statistics.median(m / t for t, m in times), 3)}}
+    return summarize("tcp-socket", page, blocks, src.numel(), repeats, {"load": times})
 
 
 def main() -> None:

@@ -40,10 +40,11 @@ NOTES_CPU = [
     "request; `layer precopy`: the time in the layerwise path's mamba "
     "pre-copies per request over all its steps - per layer in the step that "
     "loads, one bulk launch in the others - where an HBM hit runs vLLM's one "
-    "pre-copy per step: the hit step's share is in `rest`). With host KV pages (CPU) the pages are packed in the forward "
-    "thread: handing each layer's pages to the send thread cost ~40 ms per "
-    "request on two cores, far more than the copy. On a GPU the save is a "
-    "device-to-host copy on its own stream, packed by the send thread.",
+    "pre-copy per step: the hit step's share is in `rest`). With host KV "
+    "pages (CPU) the pages are packed in the forward thread: handing each "
+    "layer's pages to the send thread cost ~40 ms per request on two cores, "
+    "far more than the copy. On a GPU the save is a device-to-host copy on "
+    "its own stream, packed by the send thread.",
     "Every TTFT counts from the request's arrival: with concurrency > 1 all "
     "requests arrive at once and at most `concurrency` run together, so later "
     "ones include queueing; with concurrency 1 they are served one after another.",

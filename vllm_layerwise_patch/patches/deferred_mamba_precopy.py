@@ -59,6 +59,7 @@ from ..copy_protocol import (
     PREPARE,
     DeferredMambaCopy,
     active_connector,
+    deferred_copy,
     layer_state_rows,
     requires_layerwise_copy,
 )
@@ -77,12 +78,11 @@ RUN_PRECOPY = Target(
 MODEL_STATE = Target("vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState")
 _UPSTREAM = "vllm-ascend#15479 (AscendMambaHybridModelState deferred pre-copy)"
 
-_DEFERRED = DEFERRED_ATTR
 _ROWS = "_vlp_mamba_layer_rows"
 
 
 def _finish_previous(model_state) -> None:
-    handle = model_state.__dict__.pop(_DEFERRED, None)
+    handle = model_state.__dict__.pop(DEFERRED_ATTR, None)
     if handle is None:
         return
     if handle.pending:
@@ -153,7 +153,7 @@ def _preprocess_state(wrapped, instance, args, kwargs):
             rows = layer_state_rows(kv_cache_config, list(ctx.mamba_group_ids),
                                     instance._mamba_state_copy_funcs, forward_context)
             instance.__dict__[_ROWS] = rows
-        instance.__dict__[_DEFERRED] = DeferredMambaCopy(ctx=ctx, rows=rows, **captured)
+        instance.__dict__[DEFERRED_ATTR] = DeferredMambaCopy(ctx=ctx, rows=rows, **captured)
     else:
         ctx.run_fused_precopy(captured["num_reqs"], captured["state_idx"],
                               captured["src_col"], captured["token_bias"],
@@ -166,7 +166,7 @@ def do_mamba_copy_for_layer(self, layer_name: str) -> bool:
 
     Returns True if a copy was launched; False for non-mamba layers, layers
     already copied, or when nothing was deferred this step."""
-    handle = self.__dict__.get(_DEFERRED)
+    handle = deferred_copy(self)
     return handle.copy_layer(layer_name) if handle is not None else False
 
 
@@ -174,7 +174,7 @@ def do_mamba_copy_all(self) -> bool:
     """Launch this step's whole deferred pre-copy now, in bulk (no layer of
     the step loads state); True if it ran, False when nothing was deferred
     or a layer was already copied."""
-    handle = self.__dict__.get(_DEFERRED)
+    handle = deferred_copy(self)
     return handle.copy_all() if handle is not None else False
 
 
