@@ -357,13 +357,33 @@ def test_config_defaults_and_sizes():
     ({"verify_on_lookup": "yes"}, "verify_on_lookup"), ({"path": ""}, "path"),
     ({"backend": "redis"}, "backend"), ({"capcity": "1GiB"}, "capcity"),
     ({"shared_group": ""}, "shared_group"),
-    ({"debug_backend_fault": "disk"}, "debug_backend_fault"),
-    ({"debug_load_delay_ms": -5}, "debug_load_delay_ms"),
+    ({"pin_seconds": 0}, "pin_seconds"),
+    # the tests' fault injection is no user setting (pool.faults)
+    ({"debug_backend_fault": "load"}, "debug_backend_fault"),
+    ({"debug_fail_load_layer": "model.layers.0.linear_attn"}, "debug_fail_load_layer"),
 ])
 def test_config_errors_name_the_field(extra, field):
     with pytest.raises(PoolConfigError) as e:
         PoolConfig.from_extra(extra)
     assert f"kv_connector_extra_config.{field}" in str(e.value), str(e.value)
+
+
+def test_test_faults_come_only_from_their_variable(monkeypatch):
+    from vllm_layerwise_patch.pool import faults as f
+
+    monkeypatch.delenv(f.FAULTS_ENV, raising=False)
+    assert f.faults() == f.Faults() and not f.faults().active
+    monkeypatch.setenv(f.FAULTS_ENV, '{"debug_fail_load_layer": "x", "load_delay_ms": 5}')
+    got = f.faults()
+    assert (got.fail_load_layer, got.load_delay_ms, got.active) == (
+        "x", 5.0, ["fail_load_layer", "load_delay_ms"])
+    for bad, key in (('{"debug_nope": 1}', "debug_nope"), ('{"hide_load_errors": 1}',
+                     "hide_load_errors"), ('{"backend_fault": "disk"}', "backend_fault"),
+                     ("[1]", "JSON object"), ("{", "not JSON")):
+        with pytest.raises(ValueError, match=key):
+            f.parse(bad)
+    assert f.split({"path": "p", "debug_event_log": "e"}) == (
+        {"path": "p"}, {"debug_event_log": "e"})
 
 
 # -- the transfer pipeline (torch only) ------------------------------------------

@@ -23,9 +23,6 @@ _UNITS = {"B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**
           "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
-#: debug_backend_fault values: the backend operation that raises (tests)
-FAULTS = ("", "lookup", "load", "save")
-
 
 class PoolConfigError(ValueError):
     pass
@@ -138,11 +135,6 @@ class MooncakeConfig(BaseModel):
         description="while the master is unreachable, how often to try again")
 
 
-def _debug(default: Any, what: str, **kw: Any) -> Any:
-    """A field for the tests' negative controls and fault injection."""
-    return Field(default=default, description=f"tests only: {what}", **kw)
-
-
 class PoolConfig(BaseModel):
     """The pool connector's settings (README: "kv_connector_extra_config")."""
 
@@ -183,7 +175,7 @@ class PoolConfig(BaseModel):
                                  description="layers loaded ahead of compute")
     load_threads: int = Field(default=2, ge=1, le=32, description="load threads per worker")
     pin_seconds: Number = Field(
-        default=30.0, ge=0,
+        default=30.0, gt=0,
         description="longest a pending load pins what it reads against eviction (pins "
                     "are released when the load is done; this bounds them if an engine "
                     "dies)")
@@ -217,33 +209,6 @@ class PoolConfig(BaseModel):
     namespace_salt: str = Field(
         default="", description="extra namespace text (engines with different salts never "
                                 "share entries)")
-    debug_skip_mamba_load: bool = _debug(
-        False, "leave the state pages out of loads (shows a wrong state changes tokens)")
-    debug_fail_load_layer: str = _debug(
-        "", "this layer's first load fails (shows a failed load recomputes)")
-    debug_hide_load_errors: bool = _debug(
-        False, "zero failed loads without reporting them (shows a missed recompute "
-               "changes tokens)")
-    debug_load_delay_ms: Number = _debug(
-        0.0, "every layer's load takes this long (loads still in flight when the forward "
-             "reaches the layer)", ge=0, le=60_000)
-    debug_copy_before_wait: bool = _debug(
-        False, "run a layer's deferred state copy before its load completes (shows the "
-               "order matters)")
-    debug_skip_bulk_precopy: bool = _debug(
-        False, "a step that loads nothing skips its bulk state pre-copy (shows that copy "
-               "is what gives a prefix-cache hit its state)")
-    debug_backend_fault: Literal["", "lookup", "load", "save"] = _debug(
-        "", "this backend operation raises (shows a fault is a miss, a recompute or a "
-            "skipped save)")
-    debug_load_tp_rank: int = _debug(
-        -1, "every TP rank loads this rank's pages (shows ranks' pages differ)", ge=-1)
-    debug_draft_token_blind: bool = _debug(
-        False, "drafter pages ignore the token after their block (shows a drafter page "
-               "saved for another next token changes the drafts)")
-    debug_event_log: str = _debug(
-        "", "append the send thread's events (pack, write start/end, step begin) to this "
-            "file, one JSON line each (shows the deferred drain's order)")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> PoolConfig:

@@ -59,9 +59,11 @@ def _open_store(config: PoolConfig, role: str | None):
 
 def open_backend(config: PoolConfig, fault_role: str | None = None):
     """The configured backend (``fault_role``: this side, "scheduler" or
-    "worker"; tests' debug_backend_fault applies to its operations)."""
+    "worker"; the tests' backend_fault (.faults) applies to its operations)."""
     backend = _open_store(config, fault_role)
-    fault = config.debug_backend_fault
+    from .faults import faults
+
+    fault = faults().backend_fault
     if fault and fault_role is not None and (fault == "lookup") == (fault_role == "scheduler"):
         from .backends.base import FaultInjectingBackend
 

@@ -51,7 +51,7 @@ class PoolLookup(PoolSide):
     def next_token(self, request: Any, block: int) -> int | str | None:
         """The token after pool block ``block`` (what its drafter pages
         depend on), or None while it is not known."""
-        if self.config.debug_draft_token_blind or self.config.draft_hit_rule == "trim":
+        if self.faults.draft_token_blind or self.config.draft_hit_rule == "trim":
             return "any"  # (trim: the last block is never loaded; the others share it)
         pos = (block + 1) * self.block_size
         tokens = request.all_token_ids

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .layout import PoolLayout
+from .faults import faults
 from .logs import LogOnce
 
 
@@ -26,3 +27,4 @@ class PoolSide:
         self.layout = layout
         self.block_size = layout.block_size
         self.log = LogOnce()
+        self.faults = faults()  # tests only (see .faults)

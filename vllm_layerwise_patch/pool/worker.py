@@ -103,9 +103,9 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
                                           # the lookup already checked every
                                           # checksum a hit relies on
                                           check_crc=not self.config.verify_on_lookup,
-                                          delay=self.config.debug_load_delay_ms / 1e3)
+                                          delay=self.faults.load_delay_ms / 1e3)
         self.pipeline.register_memory(self.caches.values())  # zero-copy loads where possible
-        self._events: list | None = [] if self.config.debug_event_log else None
+        self._events: list | None = [] if self.faults.event_log else None
         self._flushed = 0
         self.saver = SaveQueue(self.backend, self.ns, events=self._events)
         if self.saves_on:  # pre-fault the pack memory now, not in the first request
@@ -140,7 +140,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
             # bulk launch, as vLLM runs it, not one per layer
             t0 = time.perf_counter()
             handle = deferred_copy(self._model_state)
-            if self.config.debug_skip_bulk_precopy and handle is not None:
+            if self.faults.skip_bulk_precopy and handle is not None:
                 handle.pending.clear()  # negative control (tests): no copy at all
             else:
                 getattr(self._model_state, COPY_ALL, lambda: False)()
@@ -161,7 +161,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         # verified it) raises unless vLLM can take the error (tolerant mode:
         # zeroed pages, reported, the request recomputes): the forward must
         # not run on a wrong state.
-        if self.config.debug_copy_before_wait and self._model_state is not None:
+        if self.faults.copy_before_wait and self._model_state is not None:
             # negative control (tests): copy the state before it has arrived
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
         self.pipeline.wait(layer)
@@ -289,7 +289,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
 
         new = self._events[self._flushed:]  # (the send thread only appends)
         self._flushed += len(new)
-        with open(self.config.debug_event_log, "a") as f:
+        with open(self.faults.event_log, "a") as f:
             f.writelines(json.dumps(e) + "\n" for e in new)
 
     def take_stats(self):

@@ -80,7 +80,7 @@ class WorkerAsyncLoads:
         t0 = time.perf_counter()
         failures: list[tuple[bytes, Exception]] = []
         moved = 0
-        delay = self.config.debug_load_delay_ms / 1e3
+        delay = self.faults.load_delay_ms / 1e3
         on_fail = lambda i, key, dests, exc: failures.append((key, exc))  # noqa: E731
         for layer in self.order:
             items = tasks.get(layer)
@@ -123,7 +123,7 @@ class WorkerAsyncLoads:
                 "is handed back to vLLM's kv_load_failure_policy (recompute or fail) "
                 "and its pages are not used (further failures are counted in the "
                 "metrics, not logged)", type(exc).__name__, exc, rid)
-            if not self.config.debug_hide_load_errors:
+            if not self.faults.hide_load_errors:
                 failed.add(rid)
         return done, failed
 

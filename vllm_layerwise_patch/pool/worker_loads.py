@@ -28,8 +28,8 @@ class WorkerLoads:
         tasks: dict[str, list[LoadItem]] = {}
         owners: dict[str, list[list[str]]] = {}
         rank = self.tp_rank
-        if self.config.debug_load_tp_rank >= 0:  # negative control (tests)
-            rank = self.config.debug_load_tp_rank
+        if self.faults.load_tp_rank >= 0:  # negative control (tests)
+            rank = self.faults.load_tp_rank
         for layer in self.order:
             g, kind = self.layer_group[layer], self.layer_kind[layer]
             idx, draft = layer_id(layer), layer in self.layout.drafter_layers
@@ -47,7 +47,7 @@ class WorkerLoads:
                         key = (draft_page_key(self.ns, h, rank, idx, spec.next_tokens[i])
                                if draft else page_key(self.ns, ATTN, h, rank, idx))
                         add(key, [self.page(layer, bid)], spec.req_id)
-                elif g in spec.mamba_blocks and not self.config.debug_skip_mamba_load:
+                elif g in spec.mamba_blocks and not self.faults.skip_mamba_load:
                     dests = [self.page(layer, spec.mamba_blocks[g])]
                     running = spec.running_blocks.get(g)
                     if bulk and running is not None and running != spec.mamba_blocks[g]:
@@ -71,7 +71,7 @@ class WorkerLoads:
         """debug_fail_load_layer (tests): that layer's loads fail in the first
         step that loads it, as a pool entry removed between lookup and load
         would."""
-        layer = self.config.debug_fail_load_layer
+        layer = self.faults.fail_load_layer
         if layer and layer in tasks and not self._debug_failed:
             self._debug_failed = True
             tasks[layer] = [(b"\0debug-missing/" + k, d) for k, d in tasks[layer]]
@@ -124,7 +124,7 @@ class WorkerLoads:
         """Every block id (all groups) of this step's loads that failed: the
         patched scheduler maps them back to the requests holding them."""
         failed = self._collect_failures()
-        if not failed or self._meta is None or self.config.debug_hide_load_errors:
+        if not failed or self._meta is None or self.faults.hide_load_errors:
             return set()
         out: set[int] = set()
         for spec in self._meta.loads:

@@ -265,7 +265,17 @@ def _fill(path: str, size: int) -> None:
 
 
 def _llm_kwargs(spec: dict[str, Any], pool: dict[str, Any] | None) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments; the pool config's ``debug_*`` keys (the
+    tests' fault injection, no user setting) go to this process's
+    ``VLLM_LAYERWISE_PATCH_TEST_FAULTS`` instead."""
+    from ..pool.faults import FAULTS_ENV, split
     from .cpu_v2 import cpu_v2_llm_kwargs
+
+    pool, faults = split(pool)
+    if faults:
+        os.environ[FAULTS_ENV] = json.dumps(faults)
+    else:
+        os.environ.pop(FAULTS_ENV, None)
 
     kw = (cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=640,
                             disable_log_stats=False)

@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from ..pool.faults import FAULTS_ENV, split as split_faults
+
 __all__ = ["VllmServer", "server_args"]
 
 
@@ -53,6 +55,9 @@ class VllmServer:
                    if not k.startswith("VLLM_LAYERWISE_PATCH")}
         environ.update(VLLM_LAYERWISE_PATCH=patches, VLLM_LAYERWISE_PATCH_CPU_V2="1")
         environ.update(env or {})
+        pool, faults = split_faults(pool)  # tests' fault injection: not the user's config
+        if faults:
+            environ[FAULTS_ENV] = json.dumps(faults)
         vllm = Path(sys.executable).with_name("vllm")
         cmd = [str(vllm)] + server_args(self.model, port=port, pool=pool, extra=extra)
         self._log = open(self.log_path, "wb")

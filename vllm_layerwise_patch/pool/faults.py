@@ -1,0 +1,122 @@
+"""Fault injection and negative controls for the tests - outside the user's
+configuration.
+
+A user's ``kv_connector_extra_config`` cannot reach any of these: they come
+from one environment variable, ``VLLM_LAYERWISE_PATCH_TEST_FAULTS`` (a JSON
+object), that only the test drivers set (``testing.engines``,
+``testing.server``: they move a spec's ``debug_*`` keys into it).  Each knob
+makes an engine do something wrong on purpose, to show that a test catches
+it.  When the variable is set, every process that reads it says so once in
+its log, with the knobs in effect.  A malformed value is an error naming the
+key; an unset variable costs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger("vllm.layerwise_patch")
+
+FAULTS_ENV = "VLLM_LAYERWISE_PATCH_TEST_FAULTS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    #: leave the state pages out of loads (a wrong state changes tokens)
+    skip_mamba_load: bool = False
+    #: this layer's first load fails (a failed load recomputes)
+    fail_load_layer: str = ""
+    #: zero failed loads without reporting them (a missed recompute changes tokens)
+    hide_load_errors: bool = False
+    #: every layer's load takes this long (loads in flight when the forward arrives)
+    load_delay_ms: float = 0.0
+    #: run a layer's deferred state copy before its load completes
+    copy_before_wait: bool = False
+    #: a step that loads nothing skips its bulk state pre-copy
+    skip_bulk_precopy: bool = False
+    #: this backend operation raises: "lookup", "load" or "save"
+    backend_fault: str = ""
+    #: every TP rank loads this rank's pages (ranks' pages differ)
+    load_tp_rank: int = -1
+    #: drafter pages ignore the token after their block
+    draft_token_blind: bool = False
+    #: append the send thread's events to this file, one JSON line each
+    event_log: str = ""
+    #: the rule before the async-scheduling fix: a failed load taints only the
+    #: step of the failure (later steps of that request, and requests that
+    #: read its blocks, save again)
+    forget_failures: bool = False
+    #: pin a hit's groups after verifying them (the order before the fix)
+    pin_after_verify: bool = False
+    #: the scheduler stops (SIGSTOP to itself) after verifying a hit, before
+    #: pinning it, until this file exists (a test evicts meanwhile)
+    pause_before_pin: str = ""
+    #: the state-copy check runs only at the next step (the order before the fix)
+    late_copy_check: bool = False
+
+    @property
+    def active(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default]
+
+
+_BACKEND_FAULTS = ("", "lookup", "load", "save")
+
+
+def parse(text: str | None) -> Faults:
+    """``Faults`` from the variable's value (unset or empty: none)."""
+    if not text:
+        return Faults()
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{FAULTS_ENV}: not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{FAULTS_ENV}: a JSON object is expected")
+    fields = {f.name: f for f in dataclasses.fields(Faults)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key[len("debug_"):] if key.startswith("debug_") else key
+        if name not in fields:
+            raise ValueError(f"{FAULTS_ENV}.{key}: unknown fault (known: "
+                             f"{', '.join(fields)})")
+        want = type(fields[name].default)
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not want:
+            raise ValueError(f"{FAULTS_ENV}.{key}: {want.__name__} expected, got {value!r}")
+        values[name] = value
+    faults = Faults(**values)
+    if faults.backend_fault not in _BACKEND_FAULTS:
+        raise ValueError(f"{FAULTS_ENV}.backend_fault: one of {_BACKEND_FAULTS[1:]}")
+    return faults
+
+
+_cached: tuple[str | None, Faults] | None = None
+
+
+def faults() -> Faults:
+    """This process's test faults (read once per value of the variable)."""
+    global _cached
+    text = os.environ.get(FAULTS_ENV)
+    if _cached is None or _cached[0] != text:
+        parsed = parse(text)
+        if parsed.active:
+            logger.warning("vllm-layerwise-patch pool: TEST FAULTS ACTIVE (%s=%s): this "
+                           "engine may produce wrong tokens on purpose", FAULTS_ENV,
+                           ",".join(parsed.active))
+        _cached = (text, parsed)
+    return _cached[1]
+
+
+def split(pool: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """A test spec's pool config without its ``debug_*`` keys, and those keys
+    (what the test drivers put in :data:`FAULTS_ENV`)."""
+    if pool is None:
+        return None, {}
+    faults_ = {k: v for k, v in pool.items() if k.startswith("debug_")}
+    return {k: v for k, v in pool.items() if not k.startswith("debug_")}, faults_
