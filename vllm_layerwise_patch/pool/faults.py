@@ -19,9 +19,9 @@ import logging
 import os
 from typing import Any
 
-logger = logging.getLogger("vllm.layerwise_patch")
+from ..envvars import TEST_FAULTS_ENV as FAULTS_ENV
 
-FAULTS_ENV = "VLLM_LAYERWISE_PATCH_TEST_FAULTS"
+logger = logging.getLogger("vllm.layerwise_patch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,8 @@ class Faults:
     #: the scheduler stops (SIGSTOP to itself) after verifying a hit, before
     #: pinning it, until this file exists (a test evicts meanwhile)
     pause_before_pin: str = ""
+    #: this layer's deferred state copy is never launched (a missed copy)
+    skip_copy_layer: str = ""
     #: the state-copy check runs only at the next step (the order before the fix)
     late_copy_check: bool = False
 
@@ -120,3 +122,24 @@ def split(pool: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str,
         return None, {}
     faults_ = {k: v for k, v in pool.items() if k.startswith("debug_")}
     return {k: v for k, v in pool.items() if not k.startswith("debug_")}, faults_
+
+
+_paused: set[str] = set()
+
+
+def pause_here(directory: str) -> None:
+    """A test's deterministic race: the first time this point is reached,
+    create ``directory/paused`` and wait (at most two minutes) until the test
+    creates ``directory/resume`` - it acts on the pool meanwhile."""
+    if not directory or directory in _paused:
+        return
+    import time
+
+    _paused.add(directory)
+    os.makedirs(directory, exist_ok=True)
+    open(os.path.join(directory, "paused"), "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(directory, "resume")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{FAULTS_ENV}: nobody created {directory}/resume")
+        time.sleep(0.02)

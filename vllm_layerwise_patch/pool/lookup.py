@@ -133,9 +133,27 @@ class PoolLookup(PoolSide):
             self.backend.delete_groups(sorted(broken))
         return sound[ATTN], sound[STATE]
 
+    def _still_there(self, blocks: list[bytes], local: int, run: int,
+                     state_ok: list[bool]) -> tuple[int, list[bool]]:
+        t, hashes = self.tp_size, blocks[local:run]
+        kinds = (ATTN, STATE) if self.layout.has_state else (ATTN,)
+        found = {kind: self.backend.exists_many([marker_key(self.ns, kind, h, tp)
+                                                 for h in hashes for tp in range(t)])
+                 for kind in kinds}
+        per = {kind: [all(f[i * t:(i + 1) * t]) for i in range(len(hashes))]
+               for kind, f in found.items()}
+        run = local + next((i for i, a in enumerate(per[ATTN]) if not a), len(hashes))
+        if STATE in per:
+            state_ok = state_ok[:local] + [a and b for a, b in
+                                           zip(state_ok[local:], per[STATE])]
+        return run, state_ok
+
     # -- the walk ------------------------------------------------------------------
-    def lookup(self, request: Any, num_computed_tokens: int) -> int:
-        """Hit length in pool blocks (0 when the pool cannot beat the local hit)."""
+    def lookup(self, request: Any, num_computed_tokens: int, pin=None) -> int:
+        """Hit length in pool blocks (0 when the pool cannot beat the local hit).
+        ``pin(hashes, state_ok)``, when given, is called with the blocks a
+        hit could load (and which of them have a boundary state) before
+        their entries are verified: what is verified is then pinned."""
         L, B = self.layout, self.block_size
         hashes = request.block_hashes
         if not L.hashes_match(hashes, request.num_tokens):
@@ -162,9 +180,18 @@ class PoolLookup(PoolSide):
         run = local + next((i for i, a in enumerate(ok) if not a), n - local)
         state_ok = [False] * local + (self.present(STATE, blocks[local:run])
                                       if L.has_state else [True] * (run - local))
+        if pin is not None and run > local:
+            pin(blocks[local:run], state_ok[local:run])
+            # a removal between the walk and the pin must not be answered
+            # from the cache: the verification asks with the generation now
+            self.note_generation()
         if self.config.verify_on_lookup and run > local:
             attn_sound, state_ok = self._verify(blocks, tokens, local, run, state_ok)
             run = next((i for i in range(local, run) if not attn_sound[i]), run)
+        elif pin is not None and run > local:
+            # nothing is read: the markers, asked again now that the blocks
+            # are pinned (bypassing the hit cache), say they are still there
+            run, state_ok = self._still_there(blocks, local, run, state_ok)
         k = run
         if self.drafter and self.config.draft_hit_rule == "trim":
             k -= 1

@@ -42,12 +42,16 @@ class SaveSpec:
     req_id: str
     attn: list[AttnSave]
     mamba: list[tuple[bytes, dict[int, int]]]  # (block hash, state group -> block id)
+    # every block id the request holds (all groups, null block left out): what
+    # its forward reads, so a worker can tell it read a page of a failed load
+    reads: list[int] = dataclasses.field(default_factory=list)
 
 
 class PoolMetadata(KVConnectorMetadata):
     def __init__(self, loads: list[LoadSpec], saves: list[SaveSpec],
                  report_load_errors: bool = False,
-                 async_loads: list[LoadSpec] | None = None) -> None:
+                 async_loads: list[LoadSpec] | None = None,
+                 failures_seen: list[str] | None = None) -> None:
         self.loads = loads
         self.saves = saves
         # load_async: loads that run in the background, outside any forward;
@@ -56,6 +60,10 @@ class PoolMetadata(KVConnectorMetadata):
         # the scheduler can take block load errors for this layout: a failed
         # load is reported (the request recomputes) instead of raised
         self.report_load_errors = report_load_errors
+        # requests whose failed loads the scheduler learnt of since the last
+        # step: they are out of the running (recompute) or finished, and their
+        # blocks left vLLM's prefix cache (see worker_taint.Quarantine)
+        self.failures_seen = failures_seen or []
 
 
 def owner_of(req_id: str) -> bytes:

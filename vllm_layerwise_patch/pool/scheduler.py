@@ -34,7 +34,8 @@ from typing import Any
 
 import time
 
-from .keys import ATTN, STATE
+from .faults import pause_here
+from .keys import ATTN, STATE, group_key
 from .layout import PoolLayout
 from .lookup import PoolLookup
 from .metadata import AttnSave, LoadSpec, PoolMetadata, SaveSpec, load_groups, owner_of
@@ -57,12 +58,18 @@ class PoolScheduler(PoolLookup):
         self._pending: dict[str, int] = {}  # req_id -> hit blocks (lookup -> alloc)
         # req_id -> (groups pinned for its load, when)
         self._pinned: dict[str, tuple[list[bytes], float]] = {}
+        self._failures_seen: list[str] = []  # for the workers (PoolMetadata)
         self._issued: dict[str, set[int]] = {}  # req_id -> block ids its loads fill
         self._load_failed: set[str] = set()  # requests recomputing after a failed load
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._report_errors: bool | None = None
         ktc, self.loads_on, self.saves_on = kv_roles(vllm_config)
+        # vLLM plans step N+1 before it processes step N's output: a failed
+        # load of step N is learnt after N+1's saves were planned (the
+        # workers keep those out of the pool, see worker.PoolWorker)
+        self.async_scheduling = bool(getattr(getattr(vllm_config, "scheduler_config", None),
+                                             "async_scheduling", False))
         self.failure_policy = getattr(ktc, "kv_load_failure_policy", None) or "fail"
         self.load_async = bool(config.load_async) and self.loads_on
         self._async_loads: list[LoadSpec] = []
@@ -74,15 +81,21 @@ class PoolScheduler(PoolLookup):
                                    (False, True): "saves only (no lookups)",
                                    (False, False): "neither loads nor saves"}[
                                        (self.loads_on, self.saves_on)]
-                    + (", loads asynchronous" if self.load_async else ""))
+                    + (", loads asynchronous" if self.load_async else "")
+                    + "; async_scheduling=%s" % self.async_scheduling)
         self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0}
 
     def _pin(self, rid: str, groups: list[bytes]) -> None:
-        """Pin ``groups`` for ``rid``'s load (again only when they changed or
-        half the pin time passed), release what it no longer needs."""
+        """Pin ``groups`` for ``rid``'s load, release what it no longer needs.
+        Groups already pinned (less than half the pin time ago) cost no
+        call: the pins a lookup took before verifying (a superset of the hit
+        it reports) stay while vLLM asks again."""
         old, at = self._pinned.pop(rid, ([], 0.0))
         now = time.monotonic()
-        if groups and (groups != old or now - at > self.config.pin_seconds / 2):
+        if groups and set(groups) <= set(old) and now - at <= self.config.pin_seconds / 2:
+            self._pinned[rid] = (old, at)
+            return
+        if groups:
             self.backend.pin(groups, self.config.pin_seconds, owner_of(rid))
             at = now
         stale = set(old) - set(groups)
@@ -91,6 +104,29 @@ class PoolScheduler(PoolLookup):
         if groups:
             self._pinned[rid] = (groups, at)
 
+    def _pin_candidates(self, rid: str):
+        """What :meth:`lookup` calls before it verifies a hit's entries: pin
+        every group the hit could load, so what is verified stays until the
+        load has read it (an eviction between the verification and the pin
+        would otherwise take exactly the verified prefix)."""
+        def pin(hashes: list[bytes], state_ok: list[bool]) -> None:
+            tp = range(self.tp_size)
+            groups = [group_key(self.ns, ATTN, h, r) for h in hashes for r in tp]
+            groups += [group_key(self.ns, STATE, h, r) for h, ok in zip(hashes, state_ok)
+                       if ok for r in tp]
+            pause_here(self.faults.pause_before_pin)
+            self._pin(rid, groups)
+        return None if self.faults.pin_after_verify else pin
+
+    @staticmethod
+    def _reads_cache(request: Any) -> bool:
+        """vLLM serves this request from cached KV (not with prompt logprobs
+        or ``skip_reading_prefix_cache``: it computes every prompt token)."""
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return False
+        sp = getattr(request, "sampling_params", None)
+        return getattr(sp, "prompt_logprobs", None) is None
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         self.stats["lookups"] += 1
         self.stats["query_tokens"] += max(0, request.num_tokens - num_computed_tokens)
@@ -98,15 +134,18 @@ class PoolScheduler(PoolLookup):
         tracked = self._tracked.setdefault(rid, _Tracked(request, []))
         tracked.loaded_end = 0  # (again, after a preemption)
         self._pending.pop(rid, None)
-        if rid in self._load_failed or not self.loads_on:
+        if rid in self._load_failed or not self.loads_on or not self._reads_cache(request):
+            self._unpin(rid)
             return 0, False
         try:
-            k = self.lookup(request, num_computed_tokens)
+            k = self.lookup(request, num_computed_tokens, self._pin_candidates(rid))
             groups = []
             if k:
                 B, L = self.block_size, self.layout
                 hashes = L.block_hashes(request.block_hashes, num_computed_tokens // B, k)
                 groups = load_groups(self.ns, hashes, range(self.tp_size), L.has_state)
+            if self.faults.pin_after_verify:  # (the order before the fix: tests)
+                pause_here(self.faults.pause_before_pin)
             self._pin(rid, groups)
         except Exception as exc:  # noqa: BLE001 - the pool never stops the engine
             self.log.warning("lookup-error", "vllm-layerwise-patch pool: a lookup failed "
@@ -139,6 +178,11 @@ class PoolScheduler(PoolLookup):
             self._inflight.add(request.request_id)
         else:
             self._loads.append(spec)
+            # each worker releases its rank's pins once this load has read the
+            # pool: a later lookup of the request (after a preemption) pins anew
+            groups, _ = self._pinned.get(request.request_id, ([], 0.0))
+            if groups:
+                self._pinned[request.request_id] = (groups, float("-inf"))
         self._issued[request.request_id] = {b for ids in attn.values() for b in ids} | set(
             mamba.values())
         self.stats["hit_tokens"] += num_external_tokens
@@ -189,7 +233,8 @@ class PoolScheduler(PoolLookup):
                             "errors are not logged)", type(exc).__name__, exc)
         async_loads, self._async_loads = self._async_loads, []
         self._refresh_pins()
-        return PoolMetadata(loads, saves, self.report_load_errors(), async_loads)
+        seen, self._failures_seen = self._failures_seen, []
+        return PoolMetadata(loads, saves, self.report_load_errors(), async_loads, seen)
 
     def _refresh_pins(self) -> None:
         """Pins of asynchronous loads in flight last until they are done."""
@@ -233,7 +278,8 @@ class PoolScheduler(PoolLookup):
                     if not self.present(STATE, [h])[0]:
                         mamba.append((h, ids))
             if attn or mamba:
-                saves.append(SaveSpec(req_id, attn, mamba))
+                reads = sorted({b for ids in t.blocks for b in ids} - {0})
+                saves.append(SaveSpec(req_id, attn, mamba, reads))
         return saves
 
     def report_load_errors(self) -> bool:
@@ -278,6 +324,7 @@ class PoolScheduler(PoolLookup):
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
             failed |= {rid for rid, ids in self._issued.items() if ids & invalid}
+        self._failures_seen += sorted(failed)
         for rid in sorted(failed - self._load_failed):
             self._load_failed.add(rid)
             logger.info("vllm-layerwise-patch pool: request %s recomputes without the "

@@ -45,6 +45,7 @@ from .pipeline import LayerwisePipeline
 from .saving import SaveQueue
 from .side import PoolSide, kv_roles
 from .worker_async import WorkerAsyncLoads
+from .worker_taint import Quarantine, agree_on_failures
 from .worker_loads import WorkerLoads
 from .worker_env import layerwise_patches_applied, resolve_tp_rank
 from .metadata import PoolMetadata
@@ -71,6 +72,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         self._saved_layers: set[str] = set()
         self._owners: dict[str, list[str]] = {}
         self._failed_reqs: set[str] = set()
+        self.quarantine = Quarantine()  # what failed loads keep out of the pool
         self._debug_failed = False
         self._init_async()
         from .stats import PoolStats
@@ -126,6 +128,9 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         if self._events is not None:
             self._events.append(("step-begin", self.saver._step))
         self._meta = meta
+        if self.faults.forget_failures:  # the rule before the fix (tests)
+            self.quarantine = Quarantine()
+        self.quarantine.seen(meta.failures_seen)
         self._note_async(meta)
         if meta.loads:
             self.stats.add(hit_tokens=sum(
@@ -165,7 +170,7 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
             # negative control (tests): copy the state before it has arrived
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
         self.pipeline.wait(layer)
-        if self._model_state is not None:
+        if self._model_state is not None and layer != self.faults.skip_copy_layer:
             t0 = time.perf_counter()
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
             self._precopy_seconds += time.perf_counter() - t0
@@ -248,15 +253,21 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         if self.layerwise:
             self.pipeline.drain()
         t0 = time.perf_counter()
-        failed = self._collect_failures()
+        failed = agree_on_failures(meta, self._collect_failures(), self.layout.tp_size,
+                                   self.log)
+        self._failed_reqs |= failed  # (what get_block_ids_with_load_errors reports)
         if meta.loads:
             self._release_pins(meta.loads)
-        # a request whose load failed computed on zeroed pages: none of its
-        # pages may reach the pool
-        saves = [s for s in meta.saves if s.req_id not in failed]
+            self.quarantine.failed(meta.loads, failed)
+        # nothing computed from a failed load's pages reaches the pool: not
+        # this step's, nor a later step's that vLLM planned before it learnt
+        # of the failure (asynchronous scheduling), nor another request's
+        # that read those pages (worker_taint)
+        saves, tainted = self.quarantine.split(meta.saves)
+        if self._copy_missing():
+            saves, tainted = [], meta.saves
         exclude = {key for layer in self.order
-                   for key, _ in self._save_pages(layer, [s for s in meta.saves
-                                                          if s.req_id in failed])}
+                   for key, _ in self._save_pages(layer, tainted)}
         if not self.layerwise:
             for layer in self.order:
                 self.saver.submit(self._save_pages(layer, saves), self.device)
@@ -283,6 +294,19 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
                    "evictions": getattr(self.backend, "evicted_groups", 0)}
             self.stats.add(**{k: now[k] - self._reported.get(k, 0) for k in now})
             self._reported = now
+
+    def _copy_missing(self) -> bool:
+        """A layer whose deferred state copy never ran this step computed on
+        the wrong state: the step's saves are not committed (vLLM's next
+        ``preprocess_state`` then stops the engine, naming the layer)."""
+        handle = deferred_copy(self._model_state) if self._model_state is not None else None
+        if not self.layerwise or handle is None or not handle.pending:
+            return False
+        if self.faults.late_copy_check:  # the order before the fix (tests)
+            return False
+        logger.error("vllm-layerwise-patch pool: the deferred state copy of %s did not "
+                     "run this step; its saves are not stored", sorted(handle.pending))
+        return True
 
     def _flush_events(self) -> None:
         import json
