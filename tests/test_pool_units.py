@@ -511,7 +511,7 @@ def test_save_queue_commit_leaves_out_excluded_pages(tmp_path):
 # -- scheduler lookup rules ----------------------------------------------------
 
 def _scheduler(tmp_path, *, layers=((0, "attn"), (1, "state")), verify=True, block=4,
-               unit=None, trim=False, role=None, load_async=False):
+               unit=None, role=None, load_async=False):
     from vllm_layerwise_patch.pool.layout import PoolLayout
     from vllm_layerwise_patch.pool.scheduler import PoolScheduler
 
@@ -524,8 +524,7 @@ def _scheduler(tmp_path, *, layers=((0, "attn"), (1, "state")), verify=True, blo
         from vllm.config import KVTransferConfig
 
         ktc = KVTransferConfig(kv_connector="LayerwisePoolConnector", kv_role=role)
-    cfg = types.SimpleNamespace(speculative_config=object() if trim else None,
-                                kv_transfer_config=ktc)
+    cfg = types.SimpleNamespace(kv_transfer_config=ktc)
     return PoolScheduler(vllm_config=cfg, layout=layout,
                          backend=LmdbBackend(str(tmp_path / "p"), 64 << 20), namespace=NS,
                          config=PoolConfig.from_extra({"verify_on_lookup": verify,
@@ -775,7 +774,7 @@ def test_a_hit_pins_and_refreshes_what_its_load_reads(stored):
     sched, hashes = stored
     req = _req(hashes[:3], 3 * 4 + 1, rid="req-1")
     assert sched.get_num_new_matched_tokens(req, 4) == (8, False)
-    pinned = sorted(sched._pinned["req-1"][0])
+    pinned = sorted(sched.pins.held["req-1"][0])
     load = {group_key(NS, ATTN, hashes[1], 0), group_key(NS, ATTN, hashes[2], 0),
             group_key(NS, STATE, hashes[2], 0)}
     # pinned before they were verified: every group the hit could have
@@ -973,3 +972,65 @@ def test_save_queue_reserve_prefaults_the_pack_memory_the_first_save_uses(tmp_pa
     assert q._arena._chunks == [chunk]  # the first save packed into the reserved chunk
     q.close()
     be.close()
+
+
+def test_a_request_reloaded_after_a_preemption_pins_again(stored):
+    # The workers release a load's pins once it has read the pool; when vLLM
+    # preempts the request and looks it up again, its hit must be pinned
+    # anew (the scheduler's own record of the old pins is no proof).
+    sched, hashes = stored
+    req = _req(hashes, 4 * 4 + 1, rid="re")
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+    pins = sched.backend.calls["pin"]
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)  # still waiting
+    assert sched.backend.calls["pin"] == pins
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5], [0, 0, 0, 6, 0]))
+    sched.update_state_after_alloc(req, blocks, 16)
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)  # after a preemption
+    assert sched.backend.calls["pin"] == pins + 1
+
+
+@pytest.mark.parametrize("attr", ["prompt_logprobs", "skip_reading_prefix_cache"])
+def test_a_request_vllm_serves_without_its_cache_is_neither_looked_up_nor_pinned(stored,
+                                                                                  attr):
+    sched, hashes = stored
+    req = _req(hashes, 4 * 4 + 1, rid="nocache")
+    if attr == "prompt_logprobs":
+        req.sampling_params = types.SimpleNamespace(prompt_logprobs=1)
+    else:
+        req.skip_reading_prefix_cache = True
+    before = dict(sched.backend.calls)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert dict(sched.backend.calls) == before and "nocache" not in sched.pins.held
+    # the same request otherwise: a hit (the test can fail)
+    assert sched.get_num_new_matched_tokens(_req(hashes, 4 * 4 + 1, rid="x"), 0) == (16, False)
+
+
+def test_a_failed_load_taints_its_request_and_blocks_until_the_scheduler_saw_it():
+    # The worker's account (worker_taint): the failed request, and any request
+    # holding a block the failed load wrote, saves nothing - across steps -
+    # until the step metadata reports the failure handled; a healthy save of
+    # a block a tainted one also saves loses that block (no marker without
+    # its pages).  Unit level; the e2e test is test_pool_async_sched.py.
+    from vllm_layerwise_patch.pool.metadata import AttnSave, LoadSpec, SaveSpec
+    from vllm_layerwise_patch.pool.worker_taint import Quarantine
+
+    q = Quarantine()
+    load = LoadSpec("a", 0, 2, [b"h0", b"h1"], {0: [5, 6]}, {1: 7}, {})
+    q.failed([load], {"a"})
+    step = [SaveSpec("a", [AttnSave(b"h2", {0: 8})], [], [5, 6, 8]),
+            SaveSpec("b", [AttnSave(b"h3", {0: 9})], [], [5, 6, 9]),  # hit a's blocks
+            SaveSpec("c", [AttnSave(b"h2", {0: 10}), AttnSave(b"h4", {0: 11})],
+                     [(b"h4", {1: 12})], [10, 11, 12])]  # same block h2 as a
+    healthy, bad = q.split(step)
+    assert [s.req_id for s in bad] == ["a", "b"]
+    assert [(s.req_id, [x.hash for x in s.attn], [h for h, _ in s.mamba])
+            for s in healthy] == [("c", [b"h4"], [b"h4"])]
+    # a later step, before the scheduler saw it: still tainted (b's new block 13
+    # is poisoned through b), c healthy
+    later = [SaveSpec("a", [AttnSave(b"h5", {0: 13})], [], [13]),
+             SaveSpec("d", [AttnSave(b"h6", {0: 14})], [], [9, 14])]
+    healthy, bad = q.split(later)
+    assert [s.req_id for s in bad] == ["a", "d"] and healthy == []
+    q.seen(["a"])
+    assert not q and q.split(later) == (later, [])

@@ -1,12 +1,14 @@
 """Scheduler side of the pool connector (engine-core process): the hit lookup
 (:mod:`.lookup`), pins, load/save planning, per-step connector metadata.
 
-A reported hit pins (and refreshes) every group its load reads, per request:
-eviction never takes them while the load is pending.  Each worker releases
-its own rank's pins once its load has finished; the scheduler releases any
-left when the request finishes; ``pin_seconds`` bounds a pin if an engine
-dies.  A request vLLM looks up again (it waits for KV space) keeps its pins
-without another backend call.
+A hit pins every group its load could read before they are verified
+(:mod:`.pins`): eviction never takes them while the load is pending.
+
+vLLM may schedule asynchronously (the GPU default): step N+1 is planned
+before step N's output arrives here, so a failed load of step N is learnt a
+step late; the workers keep what was planned meanwhile out of the pool
+(:mod:`.worker_taint`), and each step's metadata tells them which failures
+the scheduler has seen (``failures_seen``).
 
 With ``load_async`` a hit is answered ``load_async=True``: vLLM parks the
 request until the workers report its load done (:mod:`.worker_async`); its
@@ -38,7 +40,8 @@ from .faults import pause_here
 from .keys import ATTN, STATE, group_key
 from .layout import PoolLayout
 from .lookup import PoolLookup
-from .metadata import AttnSave, LoadSpec, PoolMetadata, SaveSpec, load_groups, owner_of
+from .metadata import AttnSave, LoadSpec, PoolMetadata, SaveSpec, load_groups
+from .pins import Pins
 from .side import kv_roles
 
 logger = logging.getLogger("vllm.layerwise_patch")
@@ -56,10 +59,13 @@ class PoolScheduler(PoolLookup):
                  namespace: bytes, config: Any) -> None:
         super().__init__(layout=layout, backend=backend, namespace=namespace, config=config)
         self._pending: dict[str, int] = {}  # req_id -> hit blocks (lookup -> alloc)
-        # req_id -> (groups pinned for its load, when)
-        self._pinned: dict[str, tuple[list[bytes], float]] = {}
+        self.pins = Pins(backend, config.pin_seconds)
         self._failures_seen: list[str] = []  # for the workers (PoolMetadata)
         self._issued: dict[str, set[int]] = {}  # req_id -> block ids its loads fill
+        # finished since the last step: vLLM finishes a request whose load
+        # failed (policy "fail") before it hands the connector that step's
+        # output, which still names the request's blocks
+        self._gone: set[str] = set()
         self._load_failed: set[str] = set()  # requests recomputing after a failed load
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
@@ -85,25 +91,6 @@ class PoolScheduler(PoolLookup):
                     + "; async_scheduling=%s" % self.async_scheduling)
         self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0}
 
-    def _pin(self, rid: str, groups: list[bytes]) -> None:
-        """Pin ``groups`` for ``rid``'s load, release what it no longer needs.
-        Groups already pinned (less than half the pin time ago) cost no
-        call: the pins a lookup took before verifying (a superset of the hit
-        it reports) stay while vLLM asks again."""
-        old, at = self._pinned.pop(rid, ([], 0.0))
-        now = time.monotonic()
-        if groups and set(groups) <= set(old) and now - at <= self.config.pin_seconds / 2:
-            self._pinned[rid] = (old, at)
-            return
-        if groups:
-            self.backend.pin(groups, self.config.pin_seconds, owner_of(rid))
-            at = now
-        stale = set(old) - set(groups)
-        if stale:
-            self.backend.unpin(sorted(stale), owner_of(rid))
-        if groups:
-            self._pinned[rid] = (groups, at)
-
     def _pin_candidates(self, rid: str):
         """What :meth:`lookup` calls before it verifies a hit's entries: pin
         every group the hit could load, so what is verified stays until the
@@ -115,7 +102,7 @@ class PoolScheduler(PoolLookup):
             groups += [group_key(self.ns, STATE, h, r) for h, ok in zip(hashes, state_ok)
                        if ok for r in tp]
             pause_here(self.faults.pause_before_pin)
-            self._pin(rid, groups)
+            self.pins.pin(rid, groups)
         return None if self.faults.pin_after_verify else pin
 
     @staticmethod
@@ -135,7 +122,7 @@ class PoolScheduler(PoolLookup):
         tracked.loaded_end = 0  # (again, after a preemption)
         self._pending.pop(rid, None)
         if rid in self._load_failed or not self.loads_on or not self._reads_cache(request):
-            self._unpin(rid)
+            self.pins.release(rid)
             return 0, False
         try:
             k = self.lookup(request, num_computed_tokens, self._pin_candidates(rid))
@@ -146,7 +133,7 @@ class PoolScheduler(PoolLookup):
                 groups = load_groups(self.ns, hashes, range(self.tp_size), L.has_state)
             if self.faults.pin_after_verify:  # (the order before the fix: tests)
                 pause_here(self.faults.pause_before_pin)
-            self._pin(rid, groups)
+            self.pins.pin(rid, groups)
         except Exception as exc:  # noqa: BLE001 - the pool never stops the engine
             self.log.warning("lookup-error", "vllm-layerwise-patch pool: a lookup failed "
                             "(%s: %s); treated as a miss, the request is computed (further "
@@ -180,9 +167,7 @@ class PoolScheduler(PoolLookup):
             self._loads.append(spec)
             # each worker releases its rank's pins once this load has read the
             # pool: a later lookup of the request (after a preemption) pins anew
-            groups, _ = self._pinned.get(request.request_id, ([], 0.0))
-            if groups:
-                self._pinned[request.request_id] = (groups, float("-inf"))
+            self.pins.handed_over(request.request_id)
         self._issued[request.request_id] = {b for ids in attn.values() for b in ids} | set(
             mamba.values())
         self.stats["hit_tokens"] += num_external_tokens
@@ -191,6 +176,9 @@ class PoolScheduler(PoolLookup):
 
     # -- per-step metadata -----------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> PoolMetadata:
+        for rid in self._gone:
+            self._issued.pop(rid, None)
+        self._gone.clear()
         B = self.block_size
         steps: list[tuple[str, int, int]] = []  # (req_id, computed before, scheduled)
         for new in scheduler_output.scheduled_new_reqs:
@@ -240,7 +228,7 @@ class PoolScheduler(PoolLookup):
         """Pins of asynchronous loads in flight last until they are done."""
         for rid in self._inflight:
             try:
-                self._pin(rid, self._pinned.get(rid, ([], 0.0))[0])
+                self.pins.refresh(rid)
             except Exception:  # noqa: BLE001 - pins expire after pin_seconds anyway
                 pass
 
@@ -318,7 +306,7 @@ class PoolScheduler(PoolLookup):
             self._inflight.discard(rid)
             if rid in self._orphans:  # its request ended while loading
                 self._orphans.discard(rid)
-                self._unpin(rid)
+                self.pins.release(rid)
         failed = {rid for rid in getattr(connector_output, "failed_recving", None) or ()
                   if rid in self._tracked}
         invalid = getattr(connector_output, "invalid_block_ids", None)
@@ -338,17 +326,9 @@ class PoolScheduler(PoolLookup):
         rid = request.request_id
         self._tracked.pop(rid, None)
         self._pending.pop(rid, None)
-        self._issued.pop(rid, None)
+        self._gone.add(rid)
         self._load_failed.discard(rid)
         if rid in self._inflight:  # its load still reads the pool: keep the pins
             self._orphans.add(rid)
             return
-        self._unpin(rid)
-
-    def _unpin(self, rid: str) -> None:
-        groups, _ = self._pinned.pop(rid, (None, 0))
-        if groups:
-            try:
-                self.backend.unpin(groups, owner_of(rid))
-            except Exception:  # noqa: BLE001 - pins expire after pin_seconds anyway
-                pass
+        self.pins.release(rid)

@@ -277,8 +277,11 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
             markers, blocks_saved = self._markers(saves)
             # final-layer drain: every queued page is written with its markers
             # (now, or - deferred - before the next step's loads and saves)
+            step = self.saver._step
             self.saver.commit(markers, exclude=exclude, blocks=blocks_saved,
                               wait=not self.config.defer_last_save)
+            if self._events is not None:  # the forward thread goes on from here
+                self._events.append(("committed", step))
         self._hook_seconds += time.perf_counter() - t0
         if self._events is not None:
             self._flush_events()
