@@ -59,6 +59,12 @@ class Faults:
     skip_copy_layer: str = ""
     #: the state-copy check runs only at the next step (the order before the fix)
     late_copy_check: bool = False
+    #: a process that removes pool entries SIGKILLs itself right after the
+    #: removal commits, before it settles the pool's generation
+    kill_after_removal_commit: bool = False
+    #: a removal moves the pool's generation only after its commit (the order
+    #: before the fix)
+    late_removal_bump: bool = False
 
     @property
     def active(self) -> list[str]:

@@ -137,10 +137,11 @@ class Backend(abc.ABC):
     def calls(self) -> collections.Counter:
         return self.__dict__.setdefault("_calls", collections.Counter())
 
-    def generation(self) -> tuple[int, int] | None:
-        """(last store, last removal) markers that change whenever any
-        process stores or removes entries, read without a backend call; None
-        where the backend cannot tell (then nothing is cached)."""
+    def generation(self) -> Any:
+        """A :class:`.generation.Generation`: counters that any process's
+        store or removal moves - before it becomes visible, and again after -
+        read without a backend call; None where the backend cannot tell
+        (then nothing is cached)."""
         return None
 
     @abc.abstractmethod

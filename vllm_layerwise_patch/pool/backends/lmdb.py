@@ -24,7 +24,7 @@ Across processes: engines opening one path with different ``capacity`` share
 the largest map (a process that finds the map grown adopts it); reader slots
 left by killed processes are cleared (LMDB's reader check) at open and before
 each eviction, so old pages do not stay pinned; a pool path on a filesystem
-smaller than ``capacity`` is refused at startup.
+smaller than ``capacity`` is refused at startup.  (Writes: :mod:`.generation`.)
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from ..keys import group_of
 from .base import Backend, BackendError, PoolFull
 from .gate import Gate
+from .generation import REMOVALS, STORES, Generation
 from .lmdb_files import file_size, open_environment, unbacked_growth
 
 logger = logging.getLogger("vllm.layerwise_patch")
@@ -121,7 +122,7 @@ class LmdbBackend(Backend):
         return False
 
     # -- reads -----------------------------------------------------------------
-    def generation(self) -> tuple[int, int]:
+    def generation(self) -> Generation:
         return self._gen.read()
 
     def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
@@ -226,23 +227,23 @@ class LmdbBackend(Backend):
     def delete(self, keys: Iterable[bytes]) -> None:
         self.calls["delete"] += 1
         with self._txn(write=True) as txn:
-            tid = txn.id()
+            begun = self._gen.begin(REMOVALS)
             for k in keys:
                 old = txn.get(k, db=self.data)
                 if old is not None:
                     txn.delete(k, db=self.data)
                     self._use(txn, group_of(k), time.time(), add=-(len(k) + len(old)))
-        self._gen.removed(tid)
+        self._gen.end(REMOVALS, begun)
 
     def delete_groups(self, groups: Iterable[bytes]) -> None:
         self.calls["delete_groups"] += 1
         groups = list(dict.fromkeys(groups))
         if groups:
             with self._txn(write=True) as txn:
-                tid = txn.id()
+                begun = self._gen.begin(REMOVALS)
                 for g in groups:
                     self._drop(txn, g)
-            self._gen.removed(tid)
+            self._gen.end(REMOVALS, begun)
 
     # -- writes ----------------------------------------------------------------
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
@@ -279,21 +280,22 @@ class LmdbBackend(Backend):
     def _write(self, items: list[tuple[bytes, bytes]]) -> None:
         now = time.time()
         added: dict[bytes, int] = {}
-        replaced = False
+        replaced = False  # a value changed under its key: as good as removed and stored
         with self._txn(write=True) as txn:
-            tid = txn.id()
+            stored = self._gen.begin(STORES)
             for k, v in items:
                 old = txn.get(k, db=self.data)
-                replaced = replaced or old is not None
+                if old is not None and replaced is False:
+                    replaced = self._gen.begin(REMOVALS)
                 txn.put(k, v, db=self.data)
                 g = group_of(k)
                 added[g] = added.get(g, 0) + len(k) + len(v) - (
                     0 if old is None else len(k) + len(old))
             for g, add in added.items():
                 self._use(txn, g, now, add=add, create=True)
-        self._gen.stored(tid)
-        if replaced:  # a value changed under its key: as good as removed and stored
-            self._gen.removed(tid)
+        self._gen.end(STORES, stored)
+        if replaced is not False:
+            self._gen.end(REMOVALS, replaced)
 
     def _evict(self, need: int) -> int:
         """Delete the least recently used unpinned groups - chosen inside one
@@ -304,7 +306,7 @@ class LmdbBackend(Backend):
         now_t = _T.pack(time.time())
         freed = dropped = 0
         with self._txn(write=True) as txn:
-            tid = txn.id()
+            begun = self._gen.begin(REMOVALS)
             victims = []
             for key, _ in txn.cursor(db=self.lru):
                 group = bytes(key[_T.size:])
@@ -317,9 +319,9 @@ class LmdbBackend(Backend):
             for group in victims:
                 self._drop(txn, group)
             dropped = len(victims)
+        self._gen.end(REMOVALS, begun)
         if not dropped:
             return 0
-        self._gen.removed(tid)
         # freed pages become reusable only after a later write txn commits
         for i in range(2):
             with self._txn(write=True) as txn:

@@ -1,0 +1,142 @@
+"""The hit cache is never stale across processes (real LMDB, real processes,
+no engine): a removal moves the pool's generation before it becomes visible,
+so a writer SIGKILLed between its commit and settling the generation leaves
+no cached hit behind; a deleted and recreated generation file is noticed by
+readers and writers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from vllm_layerwise_patch.pool.backends.base import pack
+from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.config import PoolConfig
+from vllm_layerwise_patch.pool.faults import FAULTS_ENV
+from vllm_layerwise_patch.pool.keys import ATTN, STATE, group_key, marker_key, page_key
+
+NS = b"N" * 16
+CAPACITY = 8 << 20
+BLOCKS = 4
+
+
+def _scheduler(path):
+    """Block 4 tokens, one attention and one state layer; BLOCKS blocks
+    committed.  Returns the scheduler and a request covering them."""
+    from vllm_layerwise_patch.pool.layout import PoolLayout
+    from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+
+    layout = PoolLayout(kinds=(ATTN, STATE), block_size=4, hash_block_size=4,
+                        group_layers=(("model.layers.0.x",), ("model.layers.1.x",)))
+    sched = PoolScheduler(vllm_config=types.SimpleNamespace(kv_transfer_config=None),
+                          layout=layout, backend=LmdbBackend(path, CAPACITY), namespace=NS,
+                          config=PoolConfig.from_extra({}))
+    hashes = [bytes([i]) * 8 for i in range(BLOCKS)]
+    items = []
+    for h in hashes:
+        for kind, layer in ((ATTN, "0"), (STATE, "1")):
+            items += [(page_key(NS, kind, h, 0, layer), pack(NS, b"x" * 8)),
+                      (marker_key(NS, kind, h, 0), pack(NS, b""))]
+    sched.backend.put_many(items)
+    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=BLOCKS * 4 + 1,
+                                request_id="r")
+    return sched, req
+
+
+def _cached_lookup(sched, req) -> tuple[int, int]:
+    """(hit blocks, backend calls the lookup made)."""
+    before = sum(sched.backend.calls.values())
+    k = sched.lookup(req, 0)
+    return k, sum(sched.backend.calls.values()) - before
+
+
+WRITER = """
+import sys
+sys.path[:0] = {syspath!r}
+from vllm_layerwise_patch.pool.backends.base import pack
+from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+be = LmdbBackend({path!r}, {capacity})
+print("ready", flush=True)
+sys.stdin.readline()
+if {how!r} == "delete":
+    be.delete_groups([{group!r}])
+else:  # evict: fill the pool until its oldest groups (the reader's) go
+    for i in range(64):
+        be.put_many([(b"fill/%04d/tp0/L0" % i, pack({ns!r}, bytes(512 << 10)))])
+print("done", flush=True)
+"""
+
+
+def _writer(path, how, group, faults=None):
+    """Another process on the pool; it acts once :func:`_go` is called."""
+    env = dict(os.environ)
+    env.pop(FAULTS_ENV, None)
+    if faults:
+        env[FAULTS_ENV] = json.dumps(faults)
+    code = WRITER.format(syspath=sys.path, path=path, capacity=CAPACITY, how=how,
+                         group=group, ns=NS)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _go(proc) -> tuple[int, str]:
+    out, _ = proc.communicate("go\n", timeout=120)
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("how, order, expect", [
+    ("delete", "fixed", 2),  # block 2's attention group went: the hit ends before it
+    ("evict", "fixed", 0),  # every block of the reader went (the oldest groups)
+    # negative control: the generation moved only after the commit (the order
+    # before the fix) - the killed writer never moved it, the cached hit stays
+    ("delete", "late", BLOCKS),
+])
+def test_a_writer_killed_between_a_removal_and_its_generation_bump(tmp_path, how, order,
+                                                                     expect):
+    path = str(tmp_path / "pool")
+    sched, req = _scheduler(path)
+    assert _cached_lookup(sched, req)[0] == BLOCKS
+    assert _cached_lookup(sched, req) == (BLOCKS, 0)  # from the hit cache
+    faults = {"kill_after_removal_commit": True, "late_removal_bump": order == "late"}
+    writer = _writer(path, how, group_key(NS, ATTN, req.block_hashes[2], 0), faults)
+    rc, out = _go(writer)
+    assert rc == -signal.SIGKILL and "done" not in out  # killed inside the removal
+    assert sched.backend.exists_many([marker_key(NS, ATTN, req.block_hashes[2], 0)]) == [False]
+    assert _cached_lookup(sched, req)[0] == expect
+    if order == "late" or expect == 0:  # (a miss is cached whatever the removals)
+        return
+    # the killed writer left the removal counter odd: hits are not cached
+    # (each lookup asks the pool) until the next store settles it
+    assert _cached_lookup(sched, req)[1] > 0
+    sched.backend.put_many([(b"other/tp0/L0", pack(NS, b"y"))])
+    assert _cached_lookup(sched, req)[1] > 0
+    assert _cached_lookup(sched, req) == (expect, 0)
+
+
+def test_a_recreated_generation_file_is_noticed_by_readers_and_writers(tmp_path):
+    # The reader and a writer map the generation file; it is deleted and the
+    # reader's next lookup creates it again.  The reader must drop what it
+    # cached under the old file, and the writer - still mapping the old
+    # one - must move the new one when it removes a block.
+    path = str(tmp_path / "pool")
+    sched, req = _scheduler(path)
+    assert _cached_lookup(sched, req)[0] == BLOCKS
+    writer = _writer(path, "delete", group_key(NS, ATTN, req.block_hashes[2], 0))
+    assert _cached_lookup(sched, req) == (BLOCKS, 0)
+    os.unlink(os.path.join(path, "generation"))
+    k, calls = _cached_lookup(sched, req)
+    assert (k, calls > 0) == (BLOCKS, True)  # a new file: nothing cached holds
+    assert os.path.exists(os.path.join(path, "generation"))
+    assert _cached_lookup(sched, req) == (BLOCKS, 0)  # cached under the new file
+    assert _go(writer) == (0, "done\n")
+    assert _cached_lookup(sched, req)[0] == 2
+
