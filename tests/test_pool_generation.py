@@ -2,7 +2,8 @@
 no engine): a removal moves the pool's generation before it becomes visible,
 so a writer SIGKILLed between its commit and settling the generation leaves
 no cached hit behind; a deleted and recreated generation file is noticed by
-readers and writers."""
+readers and writers; pools of builds with another value header are other
+namespaces."""
 
 from __future__ import annotations
 
@@ -140,3 +141,24 @@ def test_a_recreated_generation_file_is_noticed_by_readers_and_writers(tmp_path)
     assert _go(writer) == (0, "done\n")
     assert _cached_lookup(sched, req)[0] == 2
 
+
+def test_pools_of_builds_with_another_value_header_are_other_namespaces():
+    # The value header went to version 3 under key format 3, the format of
+    # the version-2 builds: those builds and this one shared namespaces, and
+    # each dropped the other's groups as damaged.  The header's version is
+    # now part of the format every namespace covers.
+    from vllm_layerwise_patch.pool.backends.base import VERSION
+    from vllm_layerwise_patch.pool.identity import namespace_description
+    from vllm_layerwise_patch.pool.keys import FORMAT
+    from vllm_layerwise_patch.pool.layout import PoolLayout
+
+    layout = PoolLayout(kinds=(ATTN,), block_size=4, hash_block_size=4,
+                        group_layers=(("model.layers.0.x",),))
+    vc = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=None, model="/nonexistent",
+                                           revision=None, quantization=None, dtype="bf16"),
+        cache_config=types.SimpleNamespace(cache_dtype="auto",
+                                           prefix_caching_hash_algo="sha256"))
+    described = namespace_description(vc, types.SimpleNamespace(kv_cache_groups=[]), layout)
+    assert described["format"] == FORMAT != 3
+    assert VERSION in FORMAT

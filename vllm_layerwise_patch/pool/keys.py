@@ -31,7 +31,15 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-FORMAT = 3
+from .backends.base import VERSION as VALUE_VERSION
+
+#: the key layout's version
+KEY_VERSION = 4
+#: part of every namespace (:mod:`.identity`): builds that disagree on the
+#: keys or on the value header never share entries, so never delete each
+#: other's groups (header version 3 once came under key format 3, the same
+#: namespaces as version 2)
+FORMAT = (KEY_VERSION, VALUE_VERSION)
 ATTN, STATE = "attn", "state"
 KINDS = (ATTN, STATE)
 COMMIT = "commit"
