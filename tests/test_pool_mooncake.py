@@ -187,6 +187,93 @@ def test_master_unreachable_at_startup(tmp_path):
     assert dead in str(e.value)
 
 
+class _SlowMaster:
+    """Stands in for ``MooncakeDistributedStore``: ``setup`` and
+    ``batch_is_exist`` answer at once, fail, or - like a master that accepts
+    connections and never answers - block until ``answer`` is set (at most
+    ``SLOW`` seconds)."""
+
+    SLOW = 5.0
+    mode = "down"  # "down": setup fails; "slow": setup/probe block; "up"
+    answer = None
+
+    def setup(self, *a):
+        return -1 if self.mode == "down" else self._wait(0)
+
+    def _wait(self, value):
+        if self.mode == "slow":
+            type(self).answer.wait(self.SLOW)
+        return value
+
+    def batch_is_exist(self, keys):
+        return [self._wait(0)] * len(keys)
+
+    def register_buffer(self, ptr, size):
+        return 0
+
+    def close(self):
+        pass
+
+
+def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
+    # Every reconnect_seconds an operation on a pool whose master is down
+    # starts an attempt to reach it again: Mooncake's setup (about 90 s
+    # against a master that accepts connections and never answers) or a
+    # probe of the client (its RPC time-outs).  The caller - the scheduler's
+    # lookup, a worker's load - fails at once meanwhile, and one attempt
+    # runs at a time.
+    import socket
+    import threading
+
+    import mooncake.store
+
+    from vllm_layerwise_patch.pool.backends.mooncake import BackendUnavailable
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    master = f"127.0.0.1:{listener.getsockname()[1]}"
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", _SlowMaster)
+    monkeypatch.setattr(_SlowMaster, "answer", threading.Event())
+    be = backend(master, reconnect_seconds=0.05)  # setup fails: down from the start
+
+    def fails_at_once():
+        t0 = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            be.exists_many([b"x"])
+        assert time.monotonic() - t0 < 0.5
+
+    def back_up():
+        deadline = time.monotonic() + 2 * _SlowMaster.SLOW
+        while True:
+            try:
+                return be.exists_many([b"x"])
+            except BackendUnavailable:
+                assert time.monotonic() < deadline, "never reconnected"
+                time.sleep(0.05)
+
+    try:
+        monkeypatch.setattr(_SlowMaster, "mode", "slow")
+        for _ in range(5):  # a setup that hangs
+            fails_at_once()
+            time.sleep(0.1)
+        assert be.attempts == 1
+        _SlowMaster.answer.set()
+        assert back_up() == [False]
+        # connected; the master goes away and its probe hangs
+        _SlowMaster.answer.clear()
+        be._mark_down("test: master gone")
+        attempts = be.attempts
+        for _ in range(5):
+            fails_at_once()
+            time.sleep(0.1)
+        assert be.attempts == attempts + 1
+        _SlowMaster.answer.set()
+        assert back_up() == [False]
+    finally:
+        _SlowMaster.answer.set()
+        be.close()
+        listener.close()
+
+
 def test_config_errors_name_the_field():
     for extra, field in [({"master_address": "nohost"}, "mooncake.master_address"),
                          ({"protocol": "udp"}, "mooncake.protocol"),

@@ -32,8 +32,9 @@ Mooncake's semantics, and what the pool does about them:
 * error codes become one clear log line each (missing object, buffer too
   small, no segment / no space, transfer failure, master unreachable);
 * a master that is down (at startup or later) makes every operation fail
-  fast for ``reconnect_seconds`` (the pool serves no hits and saves nothing,
-  logged once), then the connection is tried again; Mooncake's client
+  fast (the pool serves no hits and saves nothing, logged once); every
+  ``reconnect_seconds`` the connection is tried again in a background
+  thread, never in the caller's (:mod:`.mooncake_conn`); Mooncake's client
   reconnects by itself once the master answers.  ``setup`` is only attempted
   when the master's port accepts a connection (Mooncake's own setup blocks
   for about 90 s against a dead master).
@@ -48,18 +49,16 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
 from ..config import PREFIX, PoolConfigError
 from ..logs import LogOnce
 from .base import HEADER_SIZE, Backend, BackendError, PoolFull
+from .mooncake_conn import MooncakeConnection
 from .mooncake_io import (MARKER, MISSING, NO_SPACE, TOO_SMALL, UNREACHABLE,
-                          BackendUnavailable, Registered, Staging, describe, host_port,
-                          make_staging)
+                          BackendUnavailable, Registered, describe)
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -81,27 +80,18 @@ def open_shared(cfg: Any, *, on_unavailable: str, segment: bool) -> MooncakeBack
     return backend
 
 
-class MooncakeBackend(Backend):
-    REGIONS = 4
-
+class MooncakeBackend(MooncakeConnection, Backend):
     def __init__(self, cfg: Any, *, on_unavailable: str = "recompute") -> None:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", cfg.local_hostname)
         if cfg.protocol == "tcp":
             os.environ.setdefault("MC_FORCE_TCP", "1")
         self.cfg = cfg
         self.on_unavailable = on_unavailable
-        self._conn_lock = threading.Lock()
-        self._store: Any = None
-        self._staging: Staging | None = None
-        self._segment_wanted = False
-        self._segment_mounted = False
-        self._local_segment = ""  # this process's segment, where saves go first
         self._memory = Registered()  # host memory for zero-copy loads
-        self._down_until = 0.0
-        self._down = False
         self.log = LogOnce()
         self.refs = 0
         self.closed = False
+        self._init_connection()
         try:
             self._connect()
         except BackendUnavailable as exc:
@@ -111,88 +101,6 @@ class MooncakeBackend(Backend):
                     "'fail'; 'recompute' starts the engine without pool hits until the "
                     "master is reachable)") from None
             self._mark_down(str(exc))
-
-    # -- connection ------------------------------------------------------------
-    def _connect(self) -> None:
-        """Set the client up (master reachable) or raise BackendUnavailable."""
-        from mooncake.store import MooncakeDistributedStore
-
-        cfg = self.cfg
-        host, port = host_port(cfg.master_address)
-        try:
-            socket.create_connection((host, port), timeout=2).close()
-        except OSError as exc:
-            raise BackendUnavailable(
-                f"Mooncake master at {cfg.master_address} is unreachable ({exc})") from None
-        store = MooncakeDistributedStore()
-        if cfg.client_address:  # same-node shared memory through a mooncake_client
-            rc = store.setup_dummy(cfg.local_buffer_size, cfg.local_buffer_size,
-                                   cfg.client_address)
-        else:
-            rc = store.setup(cfg.local_hostname, cfg.metadata_server, 0,
-                             cfg.local_buffer_size, cfg.protocol, cfg.rdma_devices,
-                             cfg.master_address)
-        if rc != 0:
-            raise BackendUnavailable(
-                f"Mooncake setup against master {cfg.master_address}"
-                + (f" via client {cfg.client_address}" if cfg.client_address else "")
-                + f" returned {describe(rc)}")
-        self._store = store
-        if self._staging is None:
-            self._staging = make_staging(store, cfg, self.REGIONS)
-        for ptr, size in self._memory.wanted:
-            self._register(ptr, size)
-        if self._segment_wanted:
-            self._mount()
-
-    def _mount(self) -> None:
-        size = self.cfg.global_segment_size
-        if size and not self._segment_mounted and not self.cfg.client_address:
-            res = self._store.allocate_and_mount_segment(size, self.cfg.protocol)
-            if res.get("ret", -1) != 0:
-                raise BackendError(f"Mooncake could not mount a {size}-byte segment: {res}")
-            self._segment_mounted = True
-            if self.cfg.prefer_local_segment:
-                self._local_segment = self._store.get_hostname()
-            logger.info("vllm-layerwise-patch pool: this process holds %d bytes of the "
-                        "Mooncake pool (global_segment_size); they leave with it", size)
-
-    def mount_segment(self) -> None:
-        """Contribute this process's segment (workers), now or on connect."""
-        self._segment_wanted = True
-        if self._store is not None:
-            self._mount()
-
-    def _mark_down(self, why: str) -> None:
-        self._down = True
-        self._down_until = time.monotonic() + self.cfg.reconnect_seconds
-        self.log.warning("down", "vllm-layerwise-patch pool: %s; the pool serves no hits and "
-                        "saves nothing until it answers (retrying every %.0f s)", why,
-                        self.cfg.reconnect_seconds)
-
-    def _ready(self) -> Any:
-        """The store, or BackendUnavailable while the master is (recently) down."""
-        if not self._down and self._store is not None:
-            return self._store
-        with self._conn_lock:
-            if self._down and time.monotonic() < self._down_until:
-                raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} "
-                                         "is unreachable")
-            try:
-                if self._store is None:
-                    self._connect()
-                elif self._store.batch_is_exist(["\0vlp-probe"])[0] < 0:
-                    raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} "
-                                             "still unreachable")
-            except BackendUnavailable as exc:
-                self._down_until = time.monotonic() + self.cfg.reconnect_seconds
-                raise exc from None
-            if self._down:
-                self._down = False
-                self.log.forget("down")
-                logger.warning("vllm-layerwise-patch pool: Mooncake master at %s answers "
-                               "again; the pool is back", self.cfg.master_address)
-        return self._store
 
     def _check(self, codes: Iterable[int], op: str) -> None:
         """Master unreachable anywhere in a batch: mark down and raise."""
@@ -256,9 +164,10 @@ class MooncakeBackend(Backend):
         the transfer engine's peers, as the staging buffer is (no auth)."""
         if self.cfg.client_address or not self.cfg.zero_copy_loads:
             return False
-        self._memory.wanted.append((ptr, size))
-        if self._store is not None:
-            self._register(ptr, size)
+        with self._conn_lock:  # (a connect in the background registers what is wanted)
+            self._memory.wanted.append((ptr, size))
+            if self._store is not None:
+                self._register(ptr, size)
         return True
 
     def read_direct(self, keys: list[bytes], ptrs: list[int], lengths: list[int]
