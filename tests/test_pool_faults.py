@@ -249,3 +249,25 @@ def test_negative_control_state_copy_before_the_load_completes_changes_tokens(
         pool_p, debug_load_delay_ms=SLOW, debug_copy_before_wait=True)))
     assert res["out"][0]["cached"] == FULL
     assert toks(res)[0][0] != cold["P"][0]
+
+
+# -- a pool file LMDB cannot open --------------------------------------------------
+
+def test_a_damaged_pool_file_at_startup_serves_without_the_pool(tiny_model_dir, work, cold):
+    # data.mdb of random bytes ("not an LMDB file"): the engine starts and
+    # serves P twice (vLLM's prefix cache reset between them: a working pool
+    # would hit the second) with no hit and the tokens of a no-pool run; one
+    # error line names the file, which is left as it was.
+    path = work / "pool-damaged"
+    path.mkdir(mode=0o700)
+    data = path / "data.mdb"
+    junk = os.urandom(1 << 20)
+    data.write_bytes(junk)
+    data.chmod(0o600)
+    res = served(engine(tiny_model_dir, work, [P, P], cold=True,
+                        pool={"path": str(path), "capacity": "64MiB"}))
+    assert toks(res) == [cold["P"]] * 2
+    assert [o["cached"] for o in res["out"]] == [0, 0]
+    named = [line for line in res["log"].splitlines() if str(data) in line]
+    assert len(named) == 1 and "serves without the pool" in named[0], named
+    assert data.read_bytes() == junk

@@ -150,7 +150,9 @@ class PoolConfig(BaseModel):
         default="recompute",
         description="a distributed backend that cannot be reached at startup: `recompute` "
                     "serves without pool hits until it answers (logged once), `fail` stops "
-                    "the engine with the address")
+                    "the engine with the address; likewise an lmdb pool file that cannot "
+                    "be opened (damaged, not a pool): `recompute` serves without the pool "
+                    "and leaves the file as it is (one error naming it), `fail` stops")
     path: str = Field(
         default_factory=default_path, min_length=1,
         description="lmdb: pool directory; the default is per user "

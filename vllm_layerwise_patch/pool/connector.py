@@ -25,7 +25,8 @@ try:  # vLLM's per-request load-failure channel (failed_recving), 0.32 on
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None
 
-from .config import PoolConfig, PoolConfigError
+from .backends.base import NoPool
+from .config import PREFIX, PoolConfig, PoolConfigError
 from .identity import namespace_description, namespace_of
 from .layout import PoolLayout
 
@@ -51,10 +52,32 @@ def _open_store(config: PoolConfig, role: str | None):
         raise PoolConfigError(
             "kv_connector_extra_config.backend: 'lmdb' needs the lmdb package: "
             "pip install 'vllm-layerwise-patch[pool]'") from exc
+    from .backends.base import PoolUnusable
     from .backends.lmdb import open_shared
 
-    return open_shared(config.path, config.capacity, pin_seconds=config.pin_seconds,
-                       shared_group=config.shared_group, preallocate=config.preallocate)
+    try:
+        return open_shared(config.path, config.capacity, pin_seconds=config.pin_seconds,
+                           shared_group=config.shared_group, preallocate=config.preallocate)
+    except PoolUnusable as exc:
+        return _without_pool(config, str(exc))
+
+
+_UNUSABLE: set[str] = set()  # pools this process said it serves without
+
+
+def _without_pool(config: PoolConfig, why: str):
+    """A pool file that cannot be used: the engine serves without the pool
+    (``on_backend_unavailable='fail'``: it does not start).  The file is left
+    as it is - it is the user's, and other engines may still use it."""
+    if config.on_backend_unavailable == "fail":
+        raise PoolConfigError(f"{PREFIX}.path: {why} (on_backend_unavailable='fail'; "
+                              "'recompute' starts the engine without the pool)")
+    if config.path not in _UNUSABLE:  # (the scheduler and a worker may share a process)
+        _UNUSABLE.add(config.path)
+        logger.error("vllm-layerwise-patch pool: %s; this engine serves without the pool "
+                     "(no lookups, no saves) - the file is left as it is: move it aside or "
+                     "delete it, or set path to another directory, and restart", why)
+    return NoPool(why)
 
 
 def open_backend(config: PoolConfig, fault_role: str | None = None):
@@ -63,6 +86,8 @@ def open_backend(config: PoolConfig, fault_role: str | None = None):
     backend = _open_store(config, fault_role)
     from .faults import faults
 
+    if isinstance(backend, NoPool):
+        return backend
     fault = faults().backend_fault
     if fault and fault_role is not None and (fault == "lookup") == (fault_role == "scheduler"):
         from .backends.base import FaultInjectingBackend
@@ -134,6 +159,8 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = PoolScheduler(vllm_config=vllm_config, layout=self.layout,
                                         backend=self.backend, namespace=self.ns,
                                         config=self.pool_config)
+            if isinstance(self.backend, NoPool):  # (said once, when it was opened)
+                self._sched.loads_on = self._sched.saves_on = False
             self._describe_namespace()
         else:
             from .worker import PoolWorker

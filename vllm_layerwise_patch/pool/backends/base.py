@@ -81,6 +81,11 @@ class PoolFull(BackendError):
     """No room for a put, even after eviction: the save is skipped."""
 
 
+class PoolUnusable(BackendError):
+    """The pool cannot be used at all (a data file LMDB cannot open, or
+    another program's LMDB): the message names the file."""
+
+
 def header(namespace: bytes, payload: Any) -> bytes:
     """The header of a value whose payload is ``payload`` (any buffer)."""
     payload = memoryview(payload).cast("B")
@@ -204,6 +209,24 @@ class Backend(abc.ABC):
         return {}
 
     def close(self) -> None:
+        pass
+
+
+class NoPool(Backend):
+    """Stands in for a pool that cannot be used (:class:`PoolUnusable`):
+    nothing is found, nothing is kept - the connector makes no lookups or
+    saves with it."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
+        return [False for _ in keys]
+
+    def get_many(self, keys: list[bytes], sizes: list[int] | None = None) -> list[bytes | None]:
+        return [None] * len(keys)
+
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         pass
 
 

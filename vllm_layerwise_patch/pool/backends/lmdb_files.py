@@ -20,6 +20,7 @@ from typing import Any
 
 from ..config import PREFIX, PoolConfigError
 from ..security import fix_file_modes, prepare_pool_dir
+from .base import PoolUnusable
 from .generation import GenerationFile
 
 logger = logging.getLogger("vllm.layerwise_patch")
@@ -95,10 +96,30 @@ def _open(path: str, capacity: int, file_mode: int, writemap: bool) -> tuple[Any
     SIGBUS."""
     import lmdb
 
-    env = lmdb.open(path, map_size=max(capacity, file_size(path)), max_dbs=len(DATABASES),
-                    subdir=True, lock=True, sync=False, metasync=False, readahead=False,
-                    max_readers=256, mode=file_mode, writemap=writemap)
-    return env, [env.open_db(name) for name in DATABASES]
+    env = None
+    try:
+        env = lmdb.open(path, map_size=max(capacity, file_size(path)), max_dbs=len(DATABASES),
+                        subdir=True, lock=True, sync=False, metasync=False, readahead=False,
+                        max_readers=256, mode=file_mode, writemap=writemap)
+        _check_ours(env, path)
+        return env, [env.open_db(name) for name in DATABASES]
+    except (lmdb.Error, PoolUnusable) as exc:  # damaged, another LMDB's, not LMDB at all
+        if env is not None:
+            env.close()
+        if isinstance(exc, PoolUnusable):
+            raise
+        raise PoolUnusable(f"{data_file(path)} cannot be opened by LMDB ({exc})") from None
+
+
+def _check_ours(env: Any, path: str) -> None:
+    """An LMDB environment holding anything but the pool's databases is
+    another program's: nothing is written into it."""
+    with env.begin() as txn:
+        names = [bytes(k) for k, _ in zip(txn.cursor().iternext(values=False), range(16))]
+    other = [n for n in names if n not in DATABASES]
+    if other:
+        raise PoolUnusable(f"{data_file(path)} is another program's LMDB (it holds "
+                           f"{other[0]!r}), not a pool")
 
 
 def open_environment(path: str, capacity: int, shared_group: str | None,
