@@ -103,6 +103,28 @@ def async_loads_supported() -> bool:
     return "failed_recving" in fields
 
 
+def avoid_engine_stop(sched: Any) -> None:
+    """Without ``hybrid-load-recompute`` in this process (overlay off,
+    unverified vLLM) vLLM stops the engine when a synchronous load of a
+    hybrid layout fails.  Then hits load asynchronously: vLLM takes a failed
+    asynchronous load per request (``failed_recving``) and recomputes or
+    fails that request by ``kv_load_failure_policy``; where this vLLM
+    cannot, the pool is not looked up (saves go on).  Said once."""
+    if not sched.loads_on or sched.load_async or sched.report_load_errors():
+        return
+    why = ("vllm-layerwise-patch pool: hybrid-load-recompute is not applied in the "
+           "scheduler's process, so a failed layerwise load would stop the engine")
+    if async_loads_supported():
+        sched.load_async = True
+        logger.warning("%s; hits are loaded asynchronously instead (as with load_async: "
+                       "a failed load recomputes or fails only its request, by "
+                       "kv_load_failure_policy)", why)
+    else:
+        sched.loads_on = False
+        logger.warning("%s, and this vLLM reports no failed asynchronous load "
+                       "(failed_recving); the pool is not looked up (saves go on)", why)
+
+
 def _check_engine_config(vllm_config: Any) -> None:
     cc = vllm_config.cache_config
     mc = vllm_config.model_config
@@ -161,6 +183,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
                                         config=self.pool_config)
             if isinstance(self.backend, NoPool):  # (said once, when it was opened)
                 self._sched.loads_on = self._sched.saves_on = False
+            avoid_engine_stop(self._sched)
             self._describe_namespace()
         else:
             from .worker import PoolWorker

@@ -292,11 +292,7 @@ class PoolScheduler(PoolLookup):
                         "" if self.failure_policy == "recompute" else
                         "; set kv_transfer_config.kv_load_failure_policy='recompute' to "
                         "recompute such requests instead of failing them")
-                else:
-                    logger.warning(
-                        "vllm-layerwise-patch pool: hybrid-load-recompute is not applied; "
-                        "a load that fails after a verified lookup stops the engine "
-                        "rather than serve tokens from a wrong state")
+                # (otherwise the connector loads asynchronously: connector.avoid_engine_stop)
         return self._report_errors
 
     def update_connector_output(self, connector_output: Any) -> None:
