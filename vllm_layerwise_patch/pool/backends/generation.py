@@ -124,7 +124,7 @@ class GenerationFile:
         :meth:`end` needs."""
         if offset == REMOVALS and faults().late_removal_bump:
             return None  # (tests: the order before the fix - both moves after the commit)
-        if offset == STORES:
+        if offset == STORES and self.read().removals % 2:
             self._change(REMOVALS, lambda v: v + 1 if v % 2 else None)
         # (odd: a write that has ended left it so - settled and moved on)
         value = self._change(offset, lambda v: v + 1 if v % 2 == 0 else v + 2)
