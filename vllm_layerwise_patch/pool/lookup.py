@@ -46,7 +46,7 @@ class PoolLookup(PoolSide):
                        STATE: list(layout.layer_ids(STATE))}
         self.drafter = sorted(layer_id(n) for n in layout.drafter_layers)
         self.cache = HitCache(config.hit_cache_ttl, config.hit_cache_size)
-        self._gen: tuple[int, int] | None = None
+        self._gen: Any = None  # the backend's generation (None: nothing is cached)
 
     def next_token(self, request: Any, block: int) -> int | str | None:
         """The token after pool block ``block`` (what its drafter pages
