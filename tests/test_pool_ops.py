@@ -1,17 +1,24 @@
 """Operator tools without an engine: the stats payload's samples and fill,
 the Prometheus metrics recorded from it, the scheduler side's counts and
-fill."""
+fill, the holder records and the ``pool`` command on a pool written here."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
-from vllm_layerwise_patch.pool.backends.base import pack
+import pytest
+
+from vllm_layerwise_patch.pool import holders
+from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE, pack
 from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
 from vllm_layerwise_patch.pool.keys import group_key, marker_key, namespace_key, page_key
+from vllm_layerwise_patch.pool_cli import main as pool_main
 
 NS_A, NS_B = bytes(range(16)), bytes(range(16, 32))
 
@@ -31,6 +38,12 @@ def write_pool(path, blocks=3, ns=NS_A, model="m"):
     b.put_many(items)
     b.close()
     return [k for k, _ in items]
+
+
+def cli(capsys, *args):
+    rc = pool_main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
 # -- stats payload and Prometheus ------------------------------------------------
@@ -113,3 +126,126 @@ def test_scheduler_side_counts_once_and_sends_the_fill_when_it_changes(tmp_path)
     backend.delete_groups([group_key(NS_A, "attn", b"\1" * 32, 0)])
     assert side.take().data["pool_entries"] == 4
     backend.close()
+
+
+# -- holders -------------------------------------------------------------------------
+
+HOLDER = """
+import sys, time
+from vllm_layerwise_patch.pool import holders
+holders.register(sys.argv[1], "scheduler", "the-model")
+holders.register(sys.argv[1], "worker", "the-model")
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def start_holder(path):
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_holders_name_a_live_process_and_forget_a_dead_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(holders, "_GRACE_SECONDS", 0.0)
+    path = tmp_path / "pool"
+    path.mkdir(mode=0o700)
+    proc = start_holder(path)
+    try:
+        (rec,) = holders.holders(str(path))
+        assert (rec["pid"], rec["role"], rec["model"]) == (proc.pid, "scheduler+worker",
+                                                          "the-model")
+        assert "vllm_layerwise_patch" in rec["cmdline"] or rec["cmdline"].startswith(
+            sys.executable)
+        assert oct(os.stat(path / f"holder-{proc.pid}.json").st_mode & 0o777) == "0o600"
+        assert f"pid {proc.pid}" in holders.describe(rec)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert holders.holders(str(path)) == []  # the lock died with it: the file is stale
+    assert not (path / f"holder-{proc.pid}.json").exists()
+
+
+# -- the pool command -------------------------------------------------------------------
+
+def test_pool_info_verify_clear_on_a_written_pool(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(holders, "_GRACE_SECONDS", 0.0)
+    path = tmp_path / "pool"
+    keys_a = write_pool(path, blocks=3, ns=NS_A, model="model-a")
+    write_pool(path, blocks=1, ns=NS_B, model="model-b")
+    rc, out, _ = cli(capsys, "info", str(path), "--json")
+    doc = json.loads(out)
+    a, b = doc["namespaces"][NS_A.hex()], doc["namespaces"][NS_B.hex()]
+    assert rc == 0 and doc["backend"] == "lmdb" and doc["capacity_bytes"] == 8 << 20
+    assert (a["entries"], a["blocks"], a["commit_markers"], a["ranks"]) == (19, 3, 6, ["tp0"])
+    assert a["groups"] == {"attn": 3, "state": 3, "meta": 1} and b["blocks"] == 1
+    assert a["description"]["model"] == "model-a" and a["oldest_access"] <= a["newest_access"]
+    rc, out, _ = cli(capsys, "info", str(path))
+    assert "model model-a, vllm 0.32.0, dtype bfloat16, tp_size 1, block_size 640" in out
+
+    # two kinds of damage in one group of A, one in B's description
+    import lmdb
+
+    env = lmdb.open(str(path), max_dbs=4, subdir=True)
+    data = env.open_db(b"data")
+    page, other = keys_a[0], keys_a[1]
+    with env.begin(write=True, db=data) as txn:
+        v = bytearray(txn.get(page))
+        v[HEADER_SIZE + 10] ^= 0xFF
+        txn.put(page, bytes(v))
+        txn.put(other, bytes(txn.get(other))[:HEADER_SIZE + 3])
+        v = bytearray(txn.get(namespace_key(NS_B)))
+        v[:4] = b"XXXX"
+        txn.put(namespace_key(NS_B), bytes(v))
+    env.close()
+    rc, out, err = cli(capsys, "verify", str(path))
+    assert rc == 1 and "checked 26 entries: 2 damaged group(s)" in out, out
+    group_a = page.rpartition(b"/")[0].decode()
+    assert f"{group_a}: 2 entries (checksum, truncated)" in out
+    assert f"{NS_B.hex()}/meta: 1 entry (bad-header)" in out and "--drop" in out
+    assert "verify" in err and "26/26" in err  # the progress bar
+    rc, out, _ = cli(capsys, "verify", str(path), "--drop", "--json", "--no-progress")
+    assert rc == 0 and json.loads(out)["dropped"] and json.loads(out)["damaged_groups"] == 2
+    rc, out, _ = cli(capsys, "verify", str(path), "--no-progress")
+    assert rc == 0 and "checked 22 entries: 0 damaged group(s)" in out
+
+    # clear: refused while a holder lives, one namespace by prefix, then all
+    proc = start_holder(path)
+    try:
+        rc, out, err = cli(capsys, "clear", str(path))
+        assert rc == 1 and "refused: 1 engine process(es)" in err and f"pid {proc.pid}" in err
+        assert "scheduler+worker of the-model" in err and "--force" in err
+        rc, out, _ = cli(capsys, "clear", str(path), "--namespace", NS_B.hex()[:6], "--force")
+        assert rc == 0 and f"cleared namespace {NS_B.hex()}: 6 entries in 2 groups" in out
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    rc, _, err = cli(capsys, "clear", str(path), "--namespace", "ffff")
+    assert rc == 1 and "no such namespace" in err
+    rc, out, _ = cli(capsys, "clear", str(path), "--json")
+    assert rc == 0 and json.loads(out)["entries"] == 16
+    rc, out, _ = cli(capsys, "info", str(path), "--json")
+    assert json.loads(out)["namespaces"] == {} and json.loads(out)["entries"] == 0
+
+
+def test_pool_command_refusals(tmp_path, capsys):
+    rc, _, err = cli(capsys, "info", str(tmp_path / "nothing"))
+    assert rc == 1 and "no pool at" in err
+    (tmp_path / "p").mkdir(mode=0o700)
+    write_pool(tmp_path / "p", blocks=1)
+    os.chmod(tmp_path / "p", 0o777)
+    rc, _, err = cli(capsys, "info", str(tmp_path / "p"))
+    assert rc == 1 and "writable by group or others" in err
+    rc, _, err = cli(capsys, "info", "--config", '{"capacity": "1XB"}')
+    assert rc == 2 and "kv_connector_extra_config.capacity" in err
+    cfg = json.dumps({"kv_connector_extra_config": {
+        "backend": "mooncake", "mooncake": {"master_address": "127.0.0.1:9"}}})
+    rc, _, err = cli(capsys, "verify", "--config", cfg)
+    assert rc == 1 and "not supported on the Mooncake backend" in err
+
+
+def test_main_lists_the_pool_command():
+    proc = subprocess.run([sys.executable, "-m", "vllm_layerwise_patch", "pool", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "info" in proc.stdout and "clear" in proc.stdout

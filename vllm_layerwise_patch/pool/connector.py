@@ -128,6 +128,11 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.backend = open_backend(self.pool_config,
                                     "scheduler" if is_scheduler else "worker")
         self._sched = self._worker = None
+        if self.pool_config.backend == "lmdb":  # who holds the pool (`pool clear` asks)
+            from . import holders
+
+            holders.register(self.pool_config.path, "scheduler" if is_scheduler else "worker",
+                             str(vllm_config.model_config.model))
         if is_scheduler:
             from .sched_stats import SchedulerSideStats
             from .scheduler import PoolScheduler
@@ -251,6 +256,10 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
         self.backend.close()
+        if self.pool_config.backend == "lmdb":
+            from . import holders
+
+            holders.release(self.pool_config.path)
 
     # -- scheduler side ---------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
