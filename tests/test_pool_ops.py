@@ -1,15 +1,19 @@
 """Operator tools without an engine: the stats payload's samples and fill,
 the Prometheus metrics recorded from it, the scheduler side's counts and
-fill, the holder records and the ``pool`` command on a pool written here."""
+fill, the holder records, the ``pool`` command on a pool written here, and
+the Grafana dashboard rendered from the metric list.  The same tools on a
+pool a real ``vllm serve`` wrote: tests/test_pool_ops_server.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +24,7 @@ from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
 from vllm_layerwise_patch.pool.keys import group_key, marker_key, namespace_key, page_key
 from vllm_layerwise_patch.pool_cli import main as pool_main
 
+ROOT = Path(__file__).resolve().parent.parent
 NS_A, NS_B = bytes(range(16)), bytes(range(16, 32))
 
 
@@ -249,3 +254,28 @@ def test_main_lists_the_pool_command():
     proc = subprocess.run([sys.executable, "-m", "vllm_layerwise_patch", "pool", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "info" in proc.stdout and "clear" in proc.stdout
+
+
+# -- Grafana dashboard ------------------------------------------------------------------
+
+def test_grafana_dashboard_is_rendered_from_the_metric_list():
+    mod = runpy.run_path(str(ROOT / "scripts" / "render_dashboard.py"))
+    assert mod["OUT"].read_text() == mod["rendered"](), "run: python scripts/render_dashboard.py"
+    doc = json.loads(mod["OUT"].read_text())
+    titles = {p["title"] for p in doc["panels"]}
+    assert {"Hit rate by source", "Load / save throughput", "Exposed load wait",
+            "Failures and evictions", "Pool fill"} <= titles
+    assert [v["name"] for v in doc["templating"]["list"]] == [
+        "datasource", "job", "model_name", "instance", "engine"]
+    # every name the dashboard queries is ours or one vLLM's stat logger registers
+    from vllm_layerwise_patch.pool.prom import METRICS
+    import vllm.v1.metrics.loggers as loggers
+
+    ours = {m.exposed for m in METRICS} | {m.full_name + s for m in METRICS
+                                            for s in ("_sum", "_count", "_bucket")}
+    vllm_names = set(re.findall(r'name="(vllm:[a-z_]+)"', Path(loggers.__file__).read_text()))
+    vllm_names |= {n + "_total" for n in vllm_names}
+    for p in doc["panels"]:
+        for t in p["targets"]:
+            for name in re.findall(r"vllm:[a-z_]+", t["expr"]):
+                assert name in ours | vllm_names, (p["title"], name)
