@@ -279,3 +279,33 @@ def test_grafana_dashboard_is_rendered_from_the_metric_list():
         for t in p["targets"]:
             for name in re.findall(r"vllm:[a-z_]+", t["expr"]):
                 assert name in ours | vllm_names, (p["title"], name)
+
+
+# -- Mooncake: info only, and it says what it cannot tell -----------------------------
+
+def test_pool_info_on_mooncake_reads_a_namespace_description(tmp_path, capsys):
+    pytest.importorskip("mooncake.store")
+    from vllm_layerwise_patch.mooncake_local import LocalMooncake, free_port
+    from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
+    from vllm_layerwise_patch.pool.config import PoolConfig
+
+    lm = LocalMooncake(tmp_path / "mc", rpc_port=free_port(), metrics_port=free_port(),
+                       holder=64 << 20, holder_port=free_port()).start()
+    try:
+        cfg = {"backend": "mooncake", "mooncake": {
+            "master_address": lm.master_address, "global_segment_size": 0,
+            "local_buffer_size": "16MiB"}}
+        be = MooncakeBackend(PoolConfig.from_extra(cfg).mooncake)
+        desc = {"model": "model-mc", "vllm": "0.32.0", "layout": {"tp_size": 2}}
+        be.put_many([(namespace_key(NS_A), pack(NS_A, json.dumps(desc).encode()))])
+        be.close()
+        rc, out, _ = cli(capsys, "info", "--config", json.dumps(cfg), "--namespace", NS_A.hex())
+        assert rc == 0 and f"namespace {NS_A.hex()}: model model-mc, vllm 0.32.0, tp_size 2" in out
+        assert "cannot list keys" in out
+        rc, out, _ = cli(capsys, "info", "--config", json.dumps(cfg), "--namespace",
+                         NS_B.hex(), "--json")
+        assert rc == 0 and json.loads(out)["description"] is None
+    finally:
+        lm.stop()
+    rc, _, err = cli(capsys, "info", "--config", json.dumps(cfg))
+    assert rc == 1 and "unreachable" in err
