@@ -1,6 +1,7 @@
 """Rewrite README.md's tables from the code: the patch table (patch modules),
-the compatibility table (declarations), the environment variables (envvars)
-and the pool configuration table (PoolConfig's fields).  tests/test_readme.py
+the compatibility table (declarations), the environment variables (envvars),
+the pool configuration table (PoolConfig's fields) and the pool's metrics
+(pool.prom).  tests/test_readme.py
 fails when one is stale."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ BEGIN, END = "<!-- patch-table:begin -->", "<!-- patch-table:end -->"
 CBEGIN, CEND = "<!-- compat-table:begin -->", "<!-- compat-table:end -->"
 PBEGIN, PEND = "<!-- pool-config-table:begin -->", "<!-- pool-config-table:end -->"
 EBEGIN, EEND = "<!-- env-table:begin -->", "<!-- env-table:end -->"
+MBEGIN, MEND = "<!-- pool-metrics-table:begin -->", "<!-- pool-metrics-table:end -->"
 
 _CELL = {"verified": "verified", "not-needed": "not needed", "opt-in": "opt-in",
          "not-applicable": "unsupported", "drift": "unsupported (drift)",
@@ -89,10 +91,12 @@ def rendered(readme: str) -> str:
     from vllm_layerwise_patch.envvars import markdown_table
     from vllm_layerwise_patch.listing import render_markdown
     from vllm_layerwise_patch.pool.config import PoolConfig
+    from vllm_layerwise_patch.pool.prom import markdown_table as metrics_table
 
     text = _between(readme, BEGIN, END, render_markdown())
     text = _between(text, CBEGIN, CEND, compat_table())
     text = _between(text, EBEGIN, EEND, markdown_table())
+    text = _between(text, MBEGIN, MEND, metrics_table())
     return _between(text, PBEGIN, PEND, PoolConfig.markdown_table())
 
 

@@ -2,7 +2,7 @@
 
 One argparse parser with a subcommand each; ``--help`` lists them all.
 ``doctor`` and ``list`` declare their options here through their modules'
-``add_arguments``; ``demo`` and ``mooncake-local`` parse their own (their
+``add_arguments``; ``demo``, ``bench``, ``pool`` and ``mooncake-local`` parse their own (their
 arguments are passed on unchanged, so ``demo --help`` is the demo's help).
 """
 
@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "([--model-dir D] [--backend lmdb|mooncake]; see its --help)")
     _passthrough(sub, "bench", "time to first token with the pool vs vLLM's own prefix "
                  "cache, side by side: JSON, Markdown, plots (see its --help)")
+    _passthrough(sub, "pool", "look inside a pool, check it, empty it (info|verify|clear "
+                 "[PATH] [--config JSON]; see its --help)")
     _passthrough(sub, "mooncake-local", "a Mooncake Store master (and segment holder) on "
                  "loopback, for the mooncake backend (start|stop|status; see its --help)")
     sub.add_parser("sitecustomize-dir", help="print the directory to put on PYTHONPATH for "
@@ -72,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(ns.args)
+    if ns.command == "pool":
+        from .pool_cli import main as pool_main
+
+        return pool_main(ns.args)
     if ns.command == "mooncake-local":
         from .mooncake_local import main as mooncake_main
 

@@ -175,7 +175,13 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.backend = open_backend(self.pool_config,
                                     "scheduler" if is_scheduler else "worker")
         self._sched = self._worker = None
+        if self.pool_config.backend == "lmdb":  # who holds the pool (`pool clear` asks)
+            from . import holders
+
+            holders.register(self.pool_config.path, "scheduler" if is_scheduler else "worker",
+                             str(vllm_config.model_config.model))
         if is_scheduler:
+            from .sched_stats import SchedulerSideStats
             from .scheduler import PoolScheduler
 
             self._sched = PoolScheduler(vllm_config=vllm_config, layout=self.layout,
@@ -184,6 +190,8 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(self.backend, NoPool):  # (said once, when it was opened)
                 self._sched.loads_on = self._sched.saves_on = False
             avoid_engine_stop(self._sched)
+            self._sched_stats = SchedulerSideStats(lambda: self._sched.stats, self.backend,
+                                                   self.layout.block_size)
             self._describe_namespace()
         else:
             from .worker import PoolWorker
@@ -222,8 +230,21 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
 
         return PoolStats(data=dict(data)) if data is not None else PoolStats()
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]):
+        from .prom import PoolPromMetrics
+
+        return PoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def get_kv_connector_stats(self):
-        return self._worker.take_stats() if self._worker is not None else None
+        """The worker's stats of this step (with per-step samples for the
+        Prometheus histograms); on the scheduler side, its hits and the
+        pool's fill (``.sched_stats``)."""
+        if self._worker is not None:
+            stats = self._worker.take_stats()
+            return stats.sample_step() if stats is not None else None
+        return self._sched_stats.take() if self._sched is not None else None
 
     # -- layerwise mamba copy protocol (worker) -------------------------------
     @property
@@ -285,6 +306,10 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
         self.backend.close()
+        if self.pool_config.backend == "lmdb":
+            from . import holders
+
+            holders.release(self.pool_config.path)
 
     # -- scheduler side ---------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):

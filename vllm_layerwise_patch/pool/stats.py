@@ -4,7 +4,10 @@ engine's periodic stats and aggregated across workers).
 vLLM itself reports the external prefix-cache queries and hits (its
 "External prefix cache hit rate"); these add what only the worker sees:
 tokens and bytes loaded and saved, their throughput, and how long the forward
-waited on loads.
+waited on loads.  Besides the summed counters, a stats payload may carry
+per-step samples (lists: Prometheus histograms, :meth:`PoolStats.sample_step`)
+and the pool's fill (gauges: the latest value wins); both come through vLLM's
+aggregation across workers and steps and reach ``.prom``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
             "bytes_saved", "save_seconds", "blocks_saved", "load_failures",
             "saves_skipped", "save_failures", "evictions", "save_write_seconds",
-            "save_cpu_seconds", "save_hook_seconds", "precopy_seconds")
+            "save_cpu_seconds", "save_hook_seconds", "precopy_seconds",
+            # the scheduler's: once per engine whatever the TP size
+            "lookup_hit_tokens", "lookup_hit_blocks")
+#: the pool's fill, sent by the scheduler side (latest value wins)
+GAUGES = ("pool_used_bytes", "pool_capacity_bytes", "pool_entries")
+#: counters of which each worker step's amount is also kept as a sample
+#: (``<name>_samples``: one list entry per worker step that moved data)
+SAMPLED = ("bytes_loaded", "load_seconds", "wait_seconds", "bytes_saved", "save_seconds")
 
 
 @dataclasses.dataclass
@@ -33,13 +43,27 @@ class PoolStats(KVConnectorStats):
         for k, v in values.items():
             self.data[k] = self.data.get(k, 0) + v
 
+    def sample_step(self) -> PoolStats:
+        """Keep this step's amounts of :data:`SAMPLED` as samples too (the
+        worker's stats of one step: one sample each where non-zero)."""
+        for k in SAMPLED:
+            if self.data.get(k):
+                self.data[f"{k}_samples"] = [self.data[k]]
+        return self
+
     def aggregate(self, other: KVConnectorStats) -> PoolStats:
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            if isinstance(v, (list, tuple)):  # samples
+                self.data[k] = list(self.data.get(k, ())) + list(v)
+            elif k in GAUGES:
+                self.data[k] = v
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in COUNTERS)
+        return not any(self.data.get(k) for k in COUNTERS) and not any(
+            k in self.data for k in GAUGES)
 
     def reduce(self) -> dict[str, Any]:
         d = self.data
@@ -64,4 +88,5 @@ class PoolStats(KVConnectorStats):
             "Saves skipped (pool full)": int(d["saves_skipped"]),
             "Failed saves": int(d["save_failures"]),
             "Blocks evicted": int(d["evictions"]),
-        }
+        } | ({"Pool used (GB)": round(d["pool_used_bytes"] / gb, 4)}
+             if "pool_used_bytes" in d else {})
