@@ -12,6 +12,7 @@ block boundary and the pool stores the state at 640, 1280 and 1920.
 from __future__ import annotations
 
 import re
+import shutil
 
 import lmdb
 import pytest
@@ -65,6 +66,7 @@ def pool_a(tiny_model_dir, work, baseline):
     assert res["error"] is None, res["error"]
     assert res["out"][0]["cached"] == 0
     assert toks(res) == toks(baseline)[:1]
+    shutil.copytree(pool["path"], work / "pool-a")  # as engine A left it
     return pool
 
 
@@ -76,8 +78,11 @@ SCHEDULING = {"async": {}, "sync": {"async_scheduling": False}}
 @pytest.mark.parametrize("sched", list(SCHEDULING))
 def test_fresh_engine_hits_the_pool_with_identical_tokens(tiny_model_dir, work, pool_a,
                                                          baseline, hbm, sched):
-    # Engine B, a new process, empty HBM: PB, PA, then P.
-    res = engine(tiny_model_dir, work, [PB, PA, P], pool=pool_a, llm=SCHEDULING[sched])
+    # Engine B, a new process, empty HBM: PB, PA, then P - each scheduling
+    # on its own copy of engine A's pool (B stores what it computes)
+    pool = dict(pool_a, path=str(work / f"pool-b-{sched}"))
+    shutil.copytree(work / "pool-a", pool["path"])
+    res = engine(tiny_model_dir, work, [PB, PA, P], pool=pool, llm=SCHEDULING[sched])
     assert res["error"] is None, res["error"]
     assert f"async_scheduling={sched == 'async'}" in res["log"]
     cached = [o["cached"] for o in res["out"]]

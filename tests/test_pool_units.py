@@ -777,9 +777,8 @@ def test_a_hit_pins_and_refreshes_what_its_load_reads(stored):
     pinned = sorted(sched.pins.held["req-1"][0])
     load = {group_key(NS, ATTN, hashes[1], 0), group_key(NS, ATTN, hashes[2], 0),
             group_key(NS, STATE, hashes[2], 0)}
-    # pinned before they were verified: every group the hit could have
-    # loaded (here also the state at block 1, in case block 2 were damaged)
-    assert set(pinned) == load | {group_key(NS, STATE, hashes[1], 0)}
+    # pinned before they were verified, and nothing else (pinning refreshes)
+    assert set(pinned) == load
     be = sched.backend
     now = struct.pack(">d", time.time())
     with be._txn() as txn:

@@ -93,14 +93,19 @@ class PoolScheduler(PoolLookup):
 
     def _pin_candidates(self, rid: str):
         """What :meth:`lookup` calls before it verifies a hit's entries: pin
-        every group the hit could load, so what is verified stays until the
-        load has read it (an eviction between the verification and the pin
-        would otherwise take exactly the verified prefix)."""
+        what the hit will load - every attention group of the run and the
+        last boundary state in it - so what is verified stays until the load
+        has read it (an eviction between the verification and the pin would
+        otherwise take exactly the verified prefix).  Earlier boundary
+        states are left alone: pinning refreshes, and a state the hit does
+        not load must not outlive other blocks (a verification that shortens
+        the hit pins its state afterwards)."""
         def pin(hashes: list[bytes], state_ok: list[bool]) -> None:
             tp = range(self.tp_size)
             groups = [group_key(self.ns, ATTN, h, r) for h in hashes for r in tp]
-            groups += [group_key(self.ns, STATE, h, r) for h, ok in zip(hashes, state_ok)
-                       if ok for r in tp]
+            last = next((h for h, ok in zip(reversed(hashes), reversed(state_ok)) if ok), None)
+            if last is not None and self.layout.has_state:
+                groups += [group_key(self.ns, STATE, last, r) for r in tp]
             pause_here(self.faults.pause_before_pin)
             self.pins.pin(rid, groups)
         return None if self.faults.pin_after_verify else pin
