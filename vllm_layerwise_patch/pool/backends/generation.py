@@ -17,17 +17,15 @@ _PAIR = struct.Struct("<QQ")
 
 
 class GenerationFile:
-    def __init__(self, path: str, mode: int = 0o600) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, mode)
-        try:
-            if os.fstat(fd).st_size < _PAIR.size:
-                os.pwrite(fd, bytes(_PAIR.size), 0)
-            # the page behind the map exists now: a store into it can never
-            # meet a full filesystem (on tmpfs that would be SIGBUS)
-            os.posix_fallocate(fd, 0, _PAIR.size)
-            self._map = mmap.mmap(fd, _PAIR.size, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+    def __init__(self, fd: int) -> None:
+        """``fd``: the file, open read-write (checked by the caller; it may
+        be closed once this returns)."""
+        if os.fstat(fd).st_size < _PAIR.size:
+            os.pwrite(fd, bytes(_PAIR.size), 0)
+        # the page behind the map exists now: a store into it can never
+        # meet a full filesystem (on tmpfs that would be SIGBUS)
+        os.posix_fallocate(fd, 0, _PAIR.size)
+        self._map = mmap.mmap(fd, _PAIR.size, mmap.MAP_SHARED)
 
     def read(self) -> tuple[int, int]:
         """(last store, last removal)."""
