@@ -11,7 +11,6 @@ bytes, ``"4GB"`` is 4 000 000 000.
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Annotated, Any, Literal
 
@@ -51,14 +50,6 @@ def parse_size(value: Any) -> int:
     if n <= 0:
         raise ValueError(f"must be > 0, got {value!r}")
     return n
-
-
-def default_path() -> str:
-    """Per user: ``/dev/shm/vllm-layerwise-pool-<uid>`` (tmpfs: RAM), or
-    ``~/.cache/vllm-layerwise-pool`` where there is no /dev/shm."""
-    if os.path.isdir("/dev/shm"):
-        return os.path.join("/dev/shm", f"vllm-layerwise-pool-{os.geteuid()}")
-    return os.path.join(os.path.expanduser("~"), ".cache", "vllm-layerwise-pool")
 
 
 def _address(v: Any) -> str:
@@ -159,10 +150,12 @@ class PoolConfig(BaseModel):
         description="a distributed backend that cannot be reached at startup: `recompute` "
                     "serves without pool hits until it answers (logged once), `fail` stops "
                     "the engine with the address")
-    path: str = Field(
-        default_factory=default_path, min_length=1,
+    path: str | None = Field(
+        default=None, min_length=1,
         description="lmdb: pool directory; the default is per user "
-                    "(`/dev/shm/vllm-layerwise-pool-<uid>`, tmpfs: RAM)")
+                    "(`/dev/shm/vllm-layerwise-pool-<uid>`, tmpfs: RAM; when another user "
+                    "holds that path: a private fallback, with a warning). A path set here "
+                    "that is unsafe is refused")
     capacity: Size = Field(
         default=4 << 30,
         description="lmdb: maximum pool size: bytes or a size with an exact unit (`512MiB`, "

@@ -53,8 +53,22 @@ def _open_store(config: PoolConfig, role: str | None):
             "pip install 'vllm-layerwise-patch[pool]'") from exc
     from .backends.lmdb import open_shared
 
-    return open_shared(config.path, config.capacity, pin_seconds=config.pin_seconds,
-                       shared_group=config.shared_group, preallocate=config.preallocate)
+    kw = {"pin_seconds": config.pin_seconds, "shared_group": config.shared_group,
+          "preallocate": config.preallocate}
+    if config.path is not None:  # configured: used as it is, or refused
+        return open_shared(config.path, config.capacity, **kw)
+    from .paths import default_path, private_fallback_path, warn_fallback
+    from .security import UnsafePoolPath
+
+    path = default_path()
+    try:
+        return open_shared(path, config.capacity, **kw)
+    except UnsafePoolPath as exc:  # someone else holds it: not a reason to stop
+        fallback = private_fallback_path()
+        if fallback is None:
+            raise
+        warn_fallback(path, fallback, exc.verdict.summary() if exc.verdict else str(exc))
+        return open_shared(fallback, config.capacity, **kw)
 
 
 def open_backend(config: PoolConfig, fault_role: str | None = None):
@@ -141,7 +155,8 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
                                       config=self.pool_config)
         logger.info("vllm-layerwise-patch pool (%s): %s at %s, namespace %s, block %d "
                     "tokens, prefix hashes every %d", role.name.lower(),
-                    self.pool_config.backend, self.pool_config.path, self.ns.hex(),
+                    self.pool_config.backend, getattr(self.backend, "path", None),
+                    self.ns.hex(),
                     self.layout.block_size, self.layout.hash_block_size)
 
     def _describe_namespace(self) -> None:
