@@ -207,6 +207,14 @@ class PoolConfig(BaseModel):
                     "place, then computes it as a prefix-cache hit (no layer overlap; other "
                     "requests' steps go on meanwhile); `false`: the hit loads layer by layer "
                     "in the step that computes the request")
+    weights_identity: Literal["content", "sampled"] = Field(
+        default="content",
+        description="how the namespace names the weights: `content` digests every weights "
+                    "file in full (once per file version: 0.18 s/GB here, logged; a Hugging "
+                    "Face cache file is named by its blob and never read); `sampled` reads "
+                    "names, sizes, headers and 8 x 4 KiB per file, and misses a change "
+                    "outside those samples (a re-saved fine-tune of a few layers, new "
+                    "quantization scales): its old entries then serve wrong tokens")
     namespace_salt: str = Field(
         default="", description="extra namespace text (engines with different salts never "
                                 "share entries)")

@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - older vLLM
 from .config import PoolConfig, PoolConfigError
 from .identity import namespace_description, namespace_of
 from .layout import PoolLayout
+from .weights import start as start_weights_identity
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -127,18 +128,24 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         _check_engine_config(vllm_config)
         if kv_cache_config is None:
             raise PoolConfigError("LayerwisePoolConnector needs vLLM's kv_cache_config")
+        weights = start_weights_identity(vllm_config, self.pool_config.weights_identity)
         self.layout = PoolLayout.from_vllm(vllm_config, kv_cache_config)
-        self.namespace_description = namespace_description(
-            vllm_config, kv_cache_config, self.layout, self.pool_config.namespace_salt)
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.backend = open_backend(self.pool_config,
+                                    "scheduler" if is_scheduler else "worker")
+        try:  # (the weights are digested while the backend opens)
+            self.namespace_description = namespace_description(
+                vllm_config, kv_cache_config, self.layout, self.pool_config.namespace_salt,
+                weights=weights.result())
+        except BaseException:
+            self.backend.close()
+            raise
         self.ns = namespace_of(self.namespace_description)
         if not self.namespace_description["weights"]["resolved"]:
             logger.warning("vllm-layerwise-patch pool: the weights behind %r were not found "
                            "locally; the namespace names the model and revision only (set "
                            "namespace_salt when weights change under the same name)",
                            vllm_config.model_config.model)
-        is_scheduler = role == KVConnectorRole.SCHEDULER
-        self.backend = open_backend(self.pool_config,
-                                    "scheduler" if is_scheduler else "worker")
         self._sched = self._worker = None
         if is_scheduler:
             from .scheduler import PoolScheduler

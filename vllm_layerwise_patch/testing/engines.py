@@ -247,9 +247,9 @@ def _legacy_block_hash() -> None:
 
 
 def _legacy_namespace() -> None:
-    from vllm_layerwise_patch.pool import identity
+    from vllm_layerwise_patch.pool import weights
 
-    identity.weights_identity = lambda model, revision=None: {"resolved": True}
+    weights.weights_identity = lambda *args, **kw: {"resolved": True}
 
 
 def _fill(path: str, size: int) -> None:
