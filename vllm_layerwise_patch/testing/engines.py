@@ -26,6 +26,8 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 ``legacy_block_hash`` negative control: pool block ``i`` named by
                  ``hashes[i]`` (wrong when prefix_match_unit < block);
 ``legacy_namespace`` negative control: a namespace blind to the weights;
+``default_pool_path`` the per-user default pool path stands here (a test
+                 that must not touch this user's real default);
 ``fill``         ``[path, bytes]``: after the engine started, write a file of
                  that size (or until the filesystem is full) - a pool
                  filesystem filling up at runtime;
@@ -305,6 +307,10 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         _legacy_block_hash()
     if spec.get("legacy_namespace"):
         _legacy_namespace()
+    if spec.get("default_pool_path"):
+        from vllm_layerwise_patch.pool import paths
+
+        paths.default_path = lambda: spec["default_pool_path"]
     if spec.get("startup"):
         return _startup(spec)
     from vllm import LLM, SamplingParams
