@@ -28,6 +28,8 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 ``legacy_namespace`` negative control: a namespace blind to the weights;
 ``default_pool_path`` the per-user default pool path stands here (a test
                  that must not touch this user's real default);
+``transformers_version`` the version transformers writes into every config
+                 it serializes (an upgrade of transformers alone, simulated);
 ``fill``         ``[path, bytes]``: after the engine started, write a file of
                  that size (or until the filesystem is full) - a pool
                  filesystem filling up at runtime;
@@ -307,6 +309,10 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         _legacy_block_hash()
     if spec.get("legacy_namespace"):
         _legacy_namespace()
+    if spec.get("transformers_version"):
+        import transformers.configuration_utils
+
+        transformers.configuration_utils.__version__ = spec["transformers_version"]
     if spec.get("default_pool_path"):
         from vllm_layerwise_patch.pool import paths
 
