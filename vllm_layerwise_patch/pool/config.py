@@ -210,7 +210,7 @@ class PoolConfig(BaseModel):
     weights_identity: Literal["content", "sampled"] = Field(
         default="content",
         description="how the namespace names the weights: `content` digests every weights "
-                    "file in full (once per file version: 0.18 s/GB here, logged; a Hugging "
+                    "file in full (once per file version: about 0.2 s/GB here, logged; a Hugging "
                     "Face cache file is named by its blob and never read); `sampled` reads "
                     "names, sizes, headers and 8 x 4 KiB per file, and misses a change "
                     "outside those samples (a re-saved fine-tune of a few layers, new "

@@ -2,8 +2,9 @@
 
 * A file's digest covers its full content, streamed in 8 MiB reads (xxh3-128
   where the ``xxhash`` package is installed - it comes with the pool extra -,
-  else BLAKE3, which vLLM installs).  Measured here: 0.18 s/GB from tmpfs or
-  the page cache (xxh3-128; BLAKE3 0.29); both release the GIL.
+  else BLAKE3, which vLLM installs).  Measured here (a 1 GB file on tmpfs or
+  in the page cache): 0.18-0.24 s/GB with xxh3-128, 0.29 with BLAKE3, both
+  releasing the GIL; 2.4 s/GB while both cores ran engines.
 * A file in a Hugging Face cache is a link ``snapshots/<rev>/<name> ->
   ../../blobs/<digest>``: the blob's name is the sha256 of its content (the
   git blob sha1 for small files), so it is the digest and nothing is read.

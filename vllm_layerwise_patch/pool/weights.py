@@ -2,8 +2,8 @@
 
 ``content`` (default): the name, size and full-content digest of every
 weights file (:mod:`.digests`): any change of any byte gives another
-namespace.  The first start after a file changed reads it once (0.18 s/GB
-here, logged); later starts read nothing (digests are kept per file
+namespace.  The first start after a file changed reads it once (about
+0.2 s/GB here, logged); later starts read nothing (digests are kept per file
 version); a file in a Hugging Face cache is never read (its blob name is
 its digest).
 
