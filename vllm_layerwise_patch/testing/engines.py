@@ -65,6 +65,8 @@ import sys
 import time
 from typing import Any
 
+from . import engine_controls
+
 __all__ = ["EngineRun", "engine_env", "kv_metrics", "run_engine", "served", "start_engine",
            "toks"]
 
@@ -244,18 +246,6 @@ def _serve(llm: Any, phase: dict[str, Any], sp: Any, spec: dict[str, Any], probe
     return out
 
 
-def _legacy_block_hash() -> None:
-    from vllm_layerwise_patch.pool.layout import PoolLayout
-
-    PoolLayout.block_hash = lambda self, hashes, i: bytes(hashes[i])
-
-
-def _legacy_namespace() -> None:
-    from vllm_layerwise_patch.pool import weights
-
-    weights.weights_identity = lambda *args, **kw: {"resolved": True}
-
-
 def _fill(path: str, size: int) -> None:
     chunk = bytes(1 << 20)
     with open(path, "wb") as f:
@@ -305,18 +295,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("umask") is not None:
         os.umask(spec["umask"])
     probe = _install_mtp_probe() if spec.get("mtp_probe") else None
-    if spec.get("legacy_block_hash"):
-        _legacy_block_hash()
-    if spec.get("legacy_namespace"):
-        _legacy_namespace()
-    if spec.get("transformers_version"):
-        import transformers.configuration_utils
-
-        transformers.configuration_utils.__version__ = spec["transformers_version"]
-    if spec.get("default_pool_path"):
-        from vllm_layerwise_patch.pool import paths
-
-        paths.default_path = lambda: spec["default_pool_path"]
+    engine_controls.apply(spec)  # (legacy_*, transformers_version, default_pool_path)
     if spec.get("startup"):
         return _startup(spec)
     from vllm import LLM, SamplingParams
