@@ -83,7 +83,7 @@ def as_user(who: Person, cmd: str, cwd: Path, check: bool = True):
 def base():
     """A directory like /dev/shm: root's, sticky, everyone may create in it
     (pytest's tmp_path is root's only)."""
-    d = Path(tempfile.mkdtemp(prefix="vlp-race-", dir="/tmp"))
+    d = Path(tempfile.mkdtemp(prefix="vlp-race-"))
     d.chmod(0o1777)
     yield d
     shutil.rmtree(d, ignore_errors=True)
