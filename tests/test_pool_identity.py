@@ -13,6 +13,12 @@ tiny Qwen3-Next, real LMDB; every engine in its own process).
 * New weights under the same path and config, or another mamba ssm dtype:
   another namespace, no hit.  Negative control: a namespace blind to the
   weights serves the old weights' pages.
+* One small tensor of the checkpoint rewritten in place (same size, same
+  config): no hit, tokens of a cold run.  Negative control: the sampled
+  weights rule (8 x 4 KiB per file) serves the old pages, other tokens.  A
+  second start with unchanged weights reads no weights file (the bytes the
+  identity read are logged), and one that differs only in the transformers
+  version written into the config still hits.
 
 Every hit here comes from pages of one forward, so a cold run is the oracle
 (DESIGN §9).
@@ -20,6 +26,8 @@ Every hit here comes from pages of one forward, so a cold run is the oracle
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 
 import pytest
@@ -144,3 +152,70 @@ def test_another_mamba_ssm_dtype_never_hits(tiny_model_dir, work):
     assert res["out"][0]["cached"] == 0
     cold = served(engine(tiny_model_dir, work, [P], patches="0", llm=bf16))
     assert toks(res) == toks(cold)
+
+
+def _small_tensor_outside_samples(ckpt):
+    """The smallest tensor of layer 0 (the first GDN layer: every page after
+    it depends on it) that no sample of the sampled rule reads: (name, first
+    byte, end)."""
+    from vllm_layerwise_patch.pool.weights import sampled_ranges
+
+    header, ranges = sampled_ranges(str(ckpt))
+    start = 8 + len(header)
+    tensors = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+    for name, t in sorted(tensors.items(), key=lambda kv: kv[1]["data_offsets"][1]
+                          - kv[1]["data_offsets"][0]):
+        lo, hi = (start + x for x in t["data_offsets"])
+        if (name.startswith("model.layers.0.") and t["dtype"] == "BF16"
+                and all(hi <= s or lo >= s + n for s, n in ranges)):
+            return name, lo, hi
+    raise AssertionError("every layer-0 tensor is sampled")
+
+
+def _identity_reads(log):
+    """Bytes each connector side read for the weights' identity."""
+    return sorted(int(n) for n in re.findall(
+        r"weights identity by content: .*? read (\d+) bytes", log))
+
+
+@pytest.fixture(scope="module")
+def edited(tmp_path_factory):
+    from vllm_layerwise_patch.testing import build_tiny_qwen3_next
+
+    model = tmp_path_factory.mktemp("edited") / "model"
+    build_tiny_qwen3_next(model, seed=0)
+    return model
+
+
+def test_one_small_tensor_changed_in_place_never_hits(edited, work, tmp_path):
+    from vllm_layerwise_patch.pool.weights import weights_identity
+
+    model, ckpt = edited, edited / "model.safetensors"
+    size, config = ckpt.stat().st_size, (edited / "config.json").read_text()
+    env = engine_env(XDG_CACHE_HOME=str(tmp_path / "cache"))  # no digest cached yet
+    content = {"path": str(work / "edit-content"), "capacity": "64MiB"}
+    sampled = {"path": str(work / "edit-sampled"), "capacity": "64MiB",
+               "weights_identity": "sampled"}
+    first = served(engine(model, work, [P], pool=content, env=env))
+    assert _identity_reads(first["log"]) == [0, size]  # worker hashes, scheduler reuses
+    assert re.search(r"weights identity by content: .* s/GB\)", first["log"])
+    again = served(engine(model, work, [P], pool=content, env=env,
+                          transformers_version="99.0.0"))
+    assert _identity_reads(again["log"]) == [0, 0]  # nothing read on a restart
+    assert again["out"][0]["cached"] == 3 * BLOCK and toks(again) == toks(first)
+    served(engine(model, work, [P], pool=sampled, env=env))
+    before = weights_identity(str(model), rule="sampled")
+    name, lo, hi = _small_tensor_outside_samples(ckpt)
+    with open(ckpt, "r+b") as f:  # a patched norm: every value 3.0 (bf16 0x4040)
+        f.seek(lo)
+        f.write(b"\x40\x40" * ((hi - lo) // 2))
+    assert ckpt.stat().st_size == size and (model / "config.json").read_text() == config
+    assert weights_identity(str(model), rule="sampled") == before, name
+    cold = served(engine(model, work, [P], patches="0"))
+    res = served(engine(model, work, [P], pool=content, env=env))
+    assert res["out"][0]["cached"] == 0 and toks(res) == toks(cold)
+    assert _identity_reads(res["log"]) == [0, size]
+    # negative control: the sampled rule does not see the change
+    bad = served(engine(model, work, [P], pool=sampled, env=env))
+    assert bad["out"][0]["cached"] == 3 * BLOCK
+    assert toks(bad)[0][0] != toks(cold)[0][0], name

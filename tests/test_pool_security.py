@@ -116,7 +116,7 @@ def test_shared_group_pool_is_group_only(tmp_path):
     path = str(tmp_path / "shared")
     open_in_child(path, 0o000, shared_group=SHARED)
     gid = grp.getgrnam(SHARED).gr_gid
-    assert modes(path) == expected(0o2770, 0o660)
+    assert modes(path) == expected(0o3770, 0o660)
     assert {os.lstat(os.path.join(path, n)).st_gid for n in FILES + (".",)} == {gid}
     # a shared pool of another group is refused; so is an unknown group
     other = tmp_path / "other-group"
@@ -174,7 +174,7 @@ def test_engines_share_a_pool_through_shared_group(tiny_model_dir, work):
     assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
     assert b["out"][0]["cached"] == 3 * 640 and toks(b) == toks(a)
     gid = grp.getgrnam(SHARED).gr_gid
-    assert modes(path) == expected(0o2770, 0o660)
+    assert modes(path) == expected(0o3770, 0o660)
     assert {os.lstat(os.path.join(path, n)).st_gid for n in FILES} == {gid}
 
 

@@ -346,8 +346,11 @@ def test_config_defaults_and_sizes():
     for bad in ("4gb", "4G", "4 gigabytes", "MiB", "-1MiB", "0"):
         with pytest.raises(PoolConfigError, match="kv_connector_extra_config.capacity"):
             PoolConfig.from_extra({"capacity": bad})
-    # per-user default path
-    assert PoolConfig.from_extra(None).path.endswith(f"vllm-layerwise-pool-{os.geteuid()}")
+    # per-user default path (resolved when the pool opens: .paths)
+    from vllm_layerwise_patch.pool.paths import default_path
+
+    assert PoolConfig.from_extra(None).path is None
+    assert default_path().endswith(f"vllm-layerwise-pool-{os.geteuid()}")
 
 
 @pytest.mark.parametrize("extra,field", [

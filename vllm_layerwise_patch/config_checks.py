@@ -131,8 +131,16 @@ def pool_checks(vllm_config: Any) -> list[Check]:
     out.append(Check("pool-config", True, f"backend {cfg.backend}, capacity {cfg.capacity} "
                      f"bytes, {'shared with group ' + cfg.shared_group if cfg.shared_group else 'private'}"))
     try:
-        verdict = check_pool_path(cfg.path, cfg.shared_group)
-        out.append(Check("pool-path", verdict.ok, verdict.summary()))
+        if cfg.path is not None:
+            verdict = check_pool_path(cfg.path, cfg.shared_group)
+            out.append(Check("pool-path", verdict.ok, verdict.summary()))
+        else:  # the default: held by someone else, engines use a private fallback
+            from .pool.paths import default_path
+
+            verdict = check_pool_path(default_path(), cfg.shared_group)
+            out.append(Check("pool-path", True, verdict.summary() + (
+                "" if verdict.ok else " (the default path: engines use this user's "
+                "private fallback instead, with a warning)")))
     except PoolConfigError as exc:
         out.append(Check("pool-path", False, str(exc)))
     problem = hash_seed_problem(vllm_config.cache_config)

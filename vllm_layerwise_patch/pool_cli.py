@@ -192,6 +192,10 @@ def run(ns: argparse.Namespace) -> int:
             print(f"{PROG}: {exc}", file=sys.stderr)
             return 1
     path = config.path
+    if path is None:  # the default (a fallback when another user holds it: name it)
+        from .pool.paths import default_path
+
+        path = default_path()
     if ns.action == "clear":  # before the pool is even opened
         held = holders.holders(path)
         if held and not ns.force:

@@ -18,7 +18,6 @@ from typing import Any
 
 from .backends.base import CorruptEntry, unpack
 from .backends.lmdb import _GROUP, LmdbBackend
-from .backends.lmdb_files import data_file, file_size
 from .fill import lmdb_fill
 from .keys import COMMIT, group_of
 from .security import check_pool_path
@@ -32,6 +31,16 @@ SUMMARY_FIELDS = ("model", "vllm", "dtype", "cache_dtype", "mamba_cache_dtype",
 
 class AdminError(RuntimeError):
     """The pool cannot be acted on (said in one line)."""
+
+
+def data_file(path: str) -> str:
+    return os.path.join(path, "data.mdb")
+
+
+def file_size(path: str) -> int:
+    """The pool's data file size (never through a link: the backend's own
+    open refuses one anyway)."""
+    return os.stat(data_file(path), follow_symlinks=False).st_size
 
 
 def open_pool(path: str, shared_group: str | None = None) -> LmdbBackend:

@@ -11,7 +11,6 @@ bytes, ``"4GB"`` is 4 000 000 000.
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Annotated, Any, Literal
 
@@ -48,14 +47,6 @@ def parse_size(value: Any) -> int:
     if n <= 0:
         raise ValueError(f"must be > 0, got {value!r}")
     return n
-
-
-def default_path() -> str:
-    """Per user: ``/dev/shm/vllm-layerwise-pool-<uid>`` (tmpfs: RAM), or
-    ``~/.cache/vllm-layerwise-pool`` where there is no /dev/shm."""
-    if os.path.isdir("/dev/shm"):
-        return os.path.join("/dev/shm", f"vllm-layerwise-pool-{os.geteuid()}")
-    return os.path.join(os.path.expanduser("~"), ".cache", "vllm-layerwise-pool")
 
 
 def _address(v: Any) -> str:
@@ -153,10 +144,12 @@ class PoolConfig(BaseModel):
                     "the engine with the address; likewise an lmdb pool file that cannot "
                     "be opened (damaged, not a pool): `recompute` serves without the pool "
                     "and leaves the file as it is (one error naming it), `fail` stops")
-    path: str = Field(
-        default_factory=default_path, min_length=1,
+    path: str | None = Field(
+        default=None, min_length=1,
         description="lmdb: pool directory; the default is per user "
-                    "(`/dev/shm/vllm-layerwise-pool-<uid>`, tmpfs: RAM)")
+                    "(`/dev/shm/vllm-layerwise-pool-<uid>`, tmpfs: RAM; when another user "
+                    "holds that path: a private fallback, with a warning). A path set here "
+                    "that is unsafe is refused")
     capacity: Size = Field(
         default=4 << 30,
         description="lmdb: maximum pool size: bytes or a size with an exact unit (`512MiB`, "
@@ -208,6 +201,14 @@ class PoolConfig(BaseModel):
                     "place, then computes it as a prefix-cache hit (no layer overlap; other "
                     "requests' steps go on meanwhile); `false`: the hit loads layer by layer "
                     "in the step that computes the request")
+    weights_identity: Literal["content", "sampled"] = Field(
+        default="content",
+        description="how the namespace names the weights: `content` digests every weights "
+                    "file in full (once per file version: about 0.2 s/GB here, logged; a Hugging "
+                    "Face cache file is named by its blob and never read); `sampled` reads "
+                    "names, sizes, headers and 8 x 4 KiB per file, and misses a change "
+                    "outside those samples (a re-saved fine-tune of a few layers, new "
+                    "quantization scales): its old entries then serve wrong tokens")
     namespace_salt: str = Field(
         default="", description="extra namespace text (engines with different salts never "
                                 "share entries)")

@@ -25,10 +25,12 @@ try:  # vLLM's per-request load-failure channel (failed_recving), 0.32 on
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None
 
+from .adapters import AdapterKeys
 from .backends.base import NoPool
 from .config import PREFIX, PoolConfig, PoolConfigError
 from .identity import namespace_description, namespace_of
 from .layout import PoolLayout
+from .weights import start as start_weights_identity
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -55,10 +57,24 @@ def _open_store(config: PoolConfig, role: str | None):
     from .backends.base import PoolUnusable
     from .backends.lmdb import open_shared
 
+    kw = {"pin_seconds": config.pin_seconds, "shared_group": config.shared_group,
+          "preallocate": config.preallocate}
     try:
-        return open_shared(config.path, config.capacity, pin_seconds=config.pin_seconds,
-                           shared_group=config.shared_group, preallocate=config.preallocate)
-    except PoolUnusable as exc:
+        if config.path is not None:  # configured: used as it is, or refused
+            return open_shared(config.path, config.capacity, **kw)
+        from .paths import default_path, private_fallback_path, warn_fallback
+        from .security import UnsafePoolPath
+
+        path = default_path()
+        try:
+            return open_shared(path, config.capacity, **kw)
+        except UnsafePoolPath as exc:  # someone else holds it: not a reason to stop
+            fallback = private_fallback_path()
+            if fallback is None:
+                raise
+            warn_fallback(path, fallback, exc.verdict.summary() if exc.verdict else str(exc))
+            return open_shared(fallback, config.capacity, **kw)
+    except PoolUnusable as exc:  # damaged, another LMDB's: serve without it
         return _without_pool(config, str(exc))
 
 
@@ -72,8 +88,8 @@ def _without_pool(config: PoolConfig, why: str):
     if config.on_backend_unavailable == "fail":
         raise PoolConfigError(f"{PREFIX}.path: {why} (on_backend_unavailable='fail'; "
                               "'recompute' starts the engine without the pool)")
-    if config.path not in _UNUSABLE:  # (the scheduler and a worker may share a process)
-        _UNUSABLE.add(config.path)
+    if why not in _UNUSABLE:  # (the scheduler and a worker may share a process)
+        _UNUSABLE.add(why)  # (the message names the file)
         logger.error("vllm-layerwise-patch pool: %s; this engine serves without the pool "
                      "(no lookups, no saves) - the file is left as it is: move it aside or "
                      "delete it, or set path to another directory, and restart", why)
@@ -162,23 +178,34 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         _check_engine_config(vllm_config)
         if kv_cache_config is None:
             raise PoolConfigError("LayerwisePoolConnector needs vLLM's kv_cache_config")
+        weights = start_weights_identity(vllm_config, self.pool_config.weights_identity)
         self.layout = PoolLayout.from_vllm(vllm_config, kv_cache_config)
-        self.namespace_description = namespace_description(
-            vllm_config, kv_cache_config, self.layout, self.pool_config.namespace_salt)
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.backend = open_backend(self.pool_config,
+                                    "scheduler" if is_scheduler else "worker")
+        try:  # (the weights are digested while the backend opens)
+            self.namespace_description = namespace_description(
+                vllm_config, kv_cache_config, self.layout, self.pool_config.namespace_salt,
+                weights=weights.result())
+        except BaseException:
+            self.backend.close()
+            raise
         self.ns = namespace_of(self.namespace_description)
         if not self.namespace_description["weights"]["resolved"]:
             logger.warning("vllm-layerwise-patch pool: the weights behind %r were not found "
                            "locally; the namespace names the model and revision only (set "
                            "namespace_salt when weights change under the same name)",
                            vllm_config.model_config.model)
-        is_scheduler = role == KVConnectorRole.SCHEDULER
-        self.backend = open_backend(self.pool_config,
-                                    "scheduler" if is_scheduler else "worker")
+        self._adapters = AdapterKeys()
         self._sched = self._worker = None
-        if self.pool_config.backend == "lmdb":  # who holds the pool (`pool clear` asks)
+        # who holds the pool (`pool clear` asks): where it was opened (the
+        # default path, or this user's fallback when another user holds it)
+        self._held = getattr(self.backend, "path", None) if self.pool_config.backend == "lmdb" \
+            else None
+        if self._held:
             from . import holders
 
-            holders.register(self.pool_config.path, "scheduler" if is_scheduler else "worker",
+            holders.register(self._held, "scheduler" if is_scheduler else "worker",
                              str(vllm_config.model_config.model))
         if is_scheduler:
             from .sched_stats import SchedulerSideStats
@@ -201,7 +228,8 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
                                       config=self.pool_config)
         logger.info("vllm-layerwise-patch pool (%s): %s at %s, namespace %s, block %d "
                     "tokens, prefix hashes every %d", role.name.lower(),
-                    self.pool_config.backend, self.pool_config.path, self.ns.hex(),
+                    self.pool_config.backend, getattr(self.backend, "path", None),
+                    self.ns.hex(),
                     self.layout.block_size, self.layout.hash_block_size)
 
     def _describe_namespace(self) -> None:
@@ -306,17 +334,23 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
         self.backend.close()
-        if self.pool_config.backend == "lmdb":
+        if self._held:
             from . import holders
 
-            holders.release(self.pool_config.path)
+            holders.release(self._held)
 
     # -- scheduler side ---------------------------------------------------------
+    # (a request runs through the pool as its adapter's view, .adapters)
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        view = self._adapters.view(request)
+        if view is None:  # an adapter that cannot be fingerprinted: no pool
+            return 0, False
+        return self._sched.get_num_new_matched_tokens(view, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        view = self._adapters.view(request)
+        if view is not None:
+            self._sched.update_state_after_alloc(view, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched.build_connector_meta(scheduler_output)
@@ -326,9 +360,11 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]):
+        self._adapters.forget(request)
         self._sched.request_finished(request)
         return False, None
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        self._adapters.forget(request)
         self._sched.request_finished(request)
         return False, None

@@ -1,18 +1,37 @@
 """The pool namespace: everything that makes a stored page valid for an
-engine.  vLLM's prefix hashes chain token ids only - they do not depend on the
-model - so every key carries a 16-byte fingerprint of:
+engine, and nothing else.  vLLM's prefix hashes chain token ids only - they
+do not depend on the model - so every key carries a 16-byte fingerprint of:
 
-* the model: path, revision, HF config, the weights' identity (safetensors
-  headers, file names and sizes, and a few KiB sampled from each weights file:
-  new weights under the same path and config give another namespace, without
-  reading the weights), load format, quantization;
+* the model: path, revision, HF config (less the fields below), the
+  weights' identity (:mod:`.weights`: every file's full-content digest by
+  default), load format, quantization;
 * the KV layout: each KV cache group's resolved spec (every field: dtypes,
-  shapes, block size, page sizes), the layer names per group, model, KV-cache
-  and mamba conv/ssm cache dtypes, the hash granularity, TP size (the rank is
-  in the key) and PP size;
+  shapes, block size, page sizes), the layer names per group, vLLM's
+  resolved physical KV cache layout (``kv_cache_layout``: the stride order of
+  a page, e.g. LBNHC vs LBHNC - the same spec, other bytes) and the SSM conv
+  state layout (``VLLM_SSM_CONV_STATE_LAYOUT``: SD vs DS), model, KV-cache and
+  mamba conv/ssm cache dtypes, the hash granularity, TP size (the rank is in
+  the key) and PP size;
 * the prefix hashes: vLLM's hash algorithm and a digest of the seed vLLM
   derives its first hash from (never the seed itself);
 * the vLLM release, the key format, and ``namespace_salt``.
+
+Left out of the HF config (:data:`PAGE_NEUTRAL_CONFIG`, in the config and
+in each sub-config), because no page depends on them and they change when
+only transformers changes: ``transformers_version`` (the library that last
+wrote the config: every transformers upgrade would empty the pool),
+``_name_or_path`` and ``_commit_hash`` (where it was read from: path and
+revision are named separately, the weights by content), transformers'
+attention-implementation bookkeeping (vLLM runs its own kernels), the output
+switches of an HF forward call (``use_cache``, ``output_attentions``,
+``output_hidden_states``, ``return_dict``, ``torchscript``) and the
+generation defaults transformers 4.x put in every config (sampling acts on
+logits, after every page is computed; 5.x dropped them).  ``torch_dtype``
+and ``dtype`` (its newer name) count as one field.  Training-only fields stay
+in: they do not change with transformers, and one model's "init range" is
+another's embedding scale (HRM-text).
+
+LoRA adapters are named by content per request (:mod:`.adapters`).
 
 vLLM seeds its non-cryptographic prefix hashes (``xxhash``, ``xxhash_cbor``)
 with random bytes per process unless ``PYTHONHASHSEED`` is set: no engine
@@ -28,7 +47,6 @@ import hashlib
 import json
 import logging
 import os
-import struct
 from typing import Any
 
 from .config import PoolConfigError
@@ -37,8 +55,6 @@ from .keys import FORMAT
 logger = logging.getLogger("vllm.layerwise_patch")
 
 NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".ckpt")
-_SAMPLES, _SAMPLE_BYTES = 8, 4096
 
 
 # -- prefix hash algorithm and seed ---------------------------------------------
@@ -79,64 +95,62 @@ def prefix_hash_identity(cache_config: Any) -> dict[str, str]:
     return {"algo": algo, "seed_digest": digest[:32]}
 
 
-# -- weights ---------------------------------------------------------------------
+# -- HF config --------------------------------------------------------------------
 
-def _model_dir(model: str, revision: str | None) -> str | None:
-    if os.path.isdir(model) or os.path.isfile(model):
-        return model
+#: HF config fields no page depends on (see the module docstring)
+PAGE_NEUTRAL_CONFIG = frozenset({
+    "transformers_version", "_name_or_path", "_commit_hash",
+    "_attn_implementation", "_attn_implementation_autoset",
+    "_attn_implementation_internal", "attn_implementation",
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
+    # generation defaults (transformers 4.x wrote them into every config)
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+    "output_scores", "return_dict_in_generate", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "forced_bos_token_id", "forced_eos_token_id",
+})
+
+
+def _page_relevant(value: Any, config_level: bool = True) -> Any:
+    """``value`` without the page-neutral fields of every (sub-)config in it."""
+    if isinstance(value, dict):
+        level = config_level or "model_type" in value
+        out = {k: _page_relevant(v, False) for k, v in value.items()
+               if not (level and k in PAGE_NEUTRAL_CONFIG)}
+        if level and "torch_dtype" in out:  # renamed "dtype" in transformers 4.56
+            out.setdefault("dtype", out.pop("torch_dtype"))
+        return out
+    if isinstance(value, list):
+        return [_page_relevant(v, False) for v in value]
+    return value
+
+
+def hf_config_identity(hf_config: Any) -> str:
+    """A digest of the HF config's page-relevant fields (sub-configs too)."""
     try:
-        from huggingface_hub import snapshot_download
+        text = hf_config.to_json_string(use_diff=False)
+        data = _page_relevant(json.loads(text))
+        text = json.dumps(data, sort_keys=True)
+    except Exception:  # noqa: BLE001 - not a transformers config
+        text = repr(hf_config)
+    return hashlib.sha256(text.encode()).hexdigest()
 
-        return snapshot_download(model, revision=revision, local_files_only=True)
-    except Exception:
+
+def kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """vLLM's resolved physical KV cache layout (0.32 on; None before)."""
+    layout = getattr(kv_cache_config, "kv_cache_layout", None)
+    return layout or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+
+
+def conv_state_layout() -> str | None:
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    except ImportError:  # releases with one layout
         return None
-
-
-def _safetensors_data_start(f: Any, size: int) -> tuple[bytes, int]:
-    head = f.read(8)
-    if len(head) < 8:
-        return b"", 0
-    (n,) = struct.unpack("<Q", head)
-    if n > min(size - 8, 100 << 20):
-        return b"", 0
-    return f.read(n), 8 + n
-
-
-def _file_identity(path: str, h: Any) -> None:
-    size = os.path.getsize(path)
-    h.update(f"{os.path.basename(path)}\0{size}\0".encode())
-    with open(path, "rb") as f:
-        start = 0
-        if path.endswith(".safetensors"):
-            header, start = _safetensors_data_start(f, size)
-            h.update(header)
-        span = size - start
-        if span <= _SAMPLES * _SAMPLE_BYTES:
-            f.seek(start)
-            h.update(f.read())
-            return
-        for i in range(_SAMPLES):  # evenly spaced, the last one ends the file
-            f.seek(start + (span - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
-            h.update(f.read(_SAMPLE_BYTES))
-
-
-def weights_identity(model: str, revision: str | None = None) -> dict[str, Any]:
-    """A cheap fingerprint of the weights behind ``model`` (a directory, a
-    file or a Hugging Face id already in the local cache): names, sizes,
-    safetensors headers, index files, and 8 x 4 KiB sampled from each weights
-    file.  Never reads the weights in full."""
-    where = _model_dir(model, revision)
-    if where is None:
-        return {"resolved": False, "model": model, "revision": revision}
-    if os.path.isfile(where):
-        files = [where]
-    else:
-        files = sorted(os.path.join(where, n) for n in os.listdir(where)
-                       if n.endswith(_WEIGHT_SUFFIXES) or n.endswith("index.json"))
-    h = hashlib.sha256()
-    for path in files:
-        _file_identity(path, h)
-    return {"resolved": True, "files": len(files), "digest": h.hexdigest()}
+    return str(get_conv_state_layout())
 
 
 # -- KV cache specs ----------------------------------------------------------------
@@ -177,26 +191,31 @@ def _vllm_release() -> str:
 
 
 def namespace_description(vllm_config: Any, kv_cache_config: Any, layout: Any,
-                          salt: str = "") -> dict[str, Any]:
+                          salt: str = "", weights: dict[str, Any] | None = None
+                          ) -> dict[str, Any]:
+    """``weights``: the weights' identity (:func:`.weights.start`); computed
+    here by the content rule when not given."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
-    try:
-        hf = mc.hf_config.to_json_string(use_diff=False)
-    except Exception:
-        hf = repr(mc.hf_config)
     load = getattr(vllm_config, "load_config", None)
+    if weights is None:
+        from .weights import start
+
+        weights = start(vllm_config, "content").result()
     return {
         "format": FORMAT,
         "vllm": _vllm_release(),
         "model": str(mc.model),
         "revision": getattr(mc, "revision", None),
-        "hf_config": hashlib.sha256(hf.encode()).hexdigest(),
-        "weights": weights_identity(str(mc.model), getattr(mc, "revision", None)),
+        "hf_config": hf_config_identity(mc.hf_config),
+        "weights": weights,
         "load_format": str(getattr(load, "load_format", None)),
         "quantization": str(getattr(mc, "quantization", None)),
         "dtype": str(mc.dtype),
         "cache_dtype": str(cc.cache_dtype),
         "mamba_cache_dtype": str(getattr(cc, "mamba_cache_dtype", None)),
         "mamba_ssm_cache_dtype": str(getattr(cc, "mamba_ssm_cache_dtype", None)),
+        "kv_cache_layout": kv_cache_layout(vllm_config, kv_cache_config),
+        "conv_state_layout": conv_state_layout() if layout.has_state else None,
         "prefix_hash": prefix_hash_identity(cc),
         "layout": layout.describe(),
         "groups": [spec_description(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups],

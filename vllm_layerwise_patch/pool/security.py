@@ -1,4 +1,6 @@
-"""Who may read and write the pool directory.
+"""Who may read and write the pool directory: the rules, and the read-only
+verdict ``doctor`` prints.  :mod:`.pool_dir` applies them through file
+descriptors when the pool is opened.
 
 A prefix cache is a trust boundary: its KV pages and states reveal the
 prompts they were computed from, and an entry planted by someone else under
@@ -11,11 +13,22 @@ So, before anything is read:
   the path, its owner and mode, and the fix.  Our own directory or files that
   are merely readable by others are tightened (logged once).
 * shared (``shared_group: NAME``): the directory carries group NAME with
-  0770 (plus setgid, so new files inherit the group) and the files 0660; an
-  existing path must carry that group, and others get no access.  Any member
-  of the group may own it.
+  mode 3770 (setgid: new files inherit the group; sticky: a member cannot
+  remove or replace another member's files) and the files 0660; an existing
+  path must carry that group, and others get no access.  Any member of the
+  group may own it.
+* every pool file must be a regular file with one link (a hard link would
+  make the pool write into a file that lives elsewhere too).
+* every directory above the pool, up to ``/``, must be owned by root or this
+  user and writable by nobody else - unless it has the sticky bit (then
+  others may write only if root owns it, like ``/dev/shm`` and ``/tmp``):
+  whoever can write there could replace the pool directory.
 
-The same checks apply to the lock files and the data file.
+A group member is trusted with entries, not with this user's other files:
+modes and owners are set through descriptors opened without following
+links (``fchmod``/``fchown``), never by path, and LMDB maps exactly the files
+that were checked (:mod:`.backends.lmdb_files`), so swapping a pool file for
+a link between a check and a use cannot redirect a write.
 """
 
 from __future__ import annotations
@@ -33,16 +46,23 @@ logger = logging.getLogger("vllm.layerwise_patch")
 
 #: files the LMDB backend keeps in the pool directory
 POOL_FILES = ("data.mdb", "lock.mdb", ".open.lock", "generation")
+PRIVATE_MODES, SHARED_MODES = (0o700, 0o600), (0o3770, 0o660)
 
 
-def _user(uid: int) -> str:
+class UnsafePoolPath(PoolConfigError):
+    """The pool path (or a file in it, or a directory above it) is refused."""
+
+    verdict: Verdict | None = None
+
+
+def user_name(uid: int) -> str:
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
 
 
-def _group(gid: int) -> str:
+def group_name(gid: int) -> str:
     try:
         return grp.getgrgid(gid).gr_name
     except KeyError:
@@ -64,8 +84,17 @@ class Verdict:
                  if self.exists else f"{self.path} (not created yet)")
         return where + (": ok" if self.ok else ": refused - " + "; ".join(self.problems))
 
+    @classmethod
+    def of(cls, path: str, st: os.stat_result | None, problems: list[str]) -> Verdict:
+        if st is None:
+            return cls(path, exists=False, ok=not problems, problems=problems)
+        return cls(path, True, user_name(st.st_uid), group_name(st.st_gid),
+                   oct(stat.S_IMODE(st.st_mode)), not problems, problems)
 
-def _group_id(shared_group: str) -> int:
+
+def group_id(shared_group: str | None) -> int | None:
+    if not shared_group:
+        return None
     try:
         return grp.getgrnam(shared_group).gr_gid
     except KeyError:
@@ -73,21 +102,27 @@ def _group_id(shared_group: str) -> int:
             f"{PREFIX}.shared_group: no group named {shared_group!r} on this machine") from None
 
 
-def _inspect(st: os.stat_result, shared_gid: int | None, what: str) -> list[str]:
+def inspect(st: os.stat_result, shared_gid: int | None, what: str,
+            is_file: bool = False) -> list[str]:
+    """What is wrong with the pool directory or one of its files."""
     problems = []
     uid = os.geteuid()
     if stat.S_ISLNK(st.st_mode):
-        return [f"{what} is a symbolic link (a pool path must be the directory itself)"]
+        return [f"{what} is a symbolic link"]
+    if is_file and not stat.S_ISREG(st.st_mode):
+        return [f"{what} is not a regular file"]
+    if is_file and st.st_nlink > 1:
+        problems.append(f"{what} has {st.st_nlink} hard links (it is also a file elsewhere)")
     if shared_gid is None:
         if st.st_uid != uid:
-            problems.append(f"{what} is owned by {_user(st.st_uid)}, not by this user "
-                            f"({_user(uid)})")
+            problems.append(f"{what} is owned by {user_name(st.st_uid)}, not by this user "
+                            f"({user_name(uid)})")
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             problems.append(f"{what} is writable by group or others")
     else:
         if st.st_gid != shared_gid:
-            problems.append(f"{what} has group {_group(st.st_gid)}, not the shared group "
-                            f"{_group(shared_gid)}")
+            problems.append(f"{what} has group {group_name(st.st_gid)}, not the shared group "
+                            f"{group_name(shared_gid)}")
         if st.st_mode & stat.S_IWOTH:
             problems.append(f"{what} is writable by others")
         if st.st_uid != uid and st.st_mode & (stat.S_IROTH | stat.S_IXOTH):
@@ -95,87 +130,68 @@ def _inspect(st: os.stat_result, shared_gid: int | None, what: str) -> list[str]
     return problems
 
 
+def ancestors(path: str) -> list[str]:
+    """The existing directories above ``path`` (symbolic links resolved),
+    from ``/`` down."""
+    d = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    chain = [d]
+    while d != os.path.dirname(d):
+        d = os.path.dirname(d)
+        chain.append(d)
+    return [d for d in reversed(chain) if os.path.isdir(d)]
+
+
+def parent_problems(path: str) -> list[str]:
+    """Directories above the pool that someone else could rename it in."""
+    uid = os.geteuid()
+    problems = []
+    for d in ancestors(path):
+        st = os.stat(d)
+        owner = user_name(st.st_uid)
+        if st.st_uid not in (0, uid):
+            problems.append(f"{d} above it is owned by {owner} (neither root nor this user)")
+        sticky = bool(st.st_mode & stat.S_ISVTX)
+        if st.st_mode & stat.S_IWOTH and not (sticky and st.st_uid == 0):
+            problems.append(f"{d} above it is writable by others "
+                            f"({oct(stat.S_IMODE(st.st_mode))}, owner {owner})"
+                            + ("" if sticky else " without the sticky bit"))
+        elif st.st_mode & stat.S_IWGRP and not sticky:
+            problems.append(f"{d} above it is writable by its group {group_name(st.st_gid)} "
+                            f"({oct(stat.S_IMODE(st.st_mode))}) without the sticky bit")
+    return problems
+
+
 def check_pool_path(path: str, shared_group: str | None = None) -> Verdict:
-    """Inspect ``path`` and its files without changing or reading anything."""
-    shared_gid = _group_id(shared_group) if shared_group else None
+    """Inspect ``path``, its files and the directories above it without
+    changing or reading anything (``doctor``)."""
+    shared_gid = group_id(shared_group)
+    problems = parent_problems(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return Verdict(path, exists=False)
-    v = Verdict(path, exists=True, owner=_user(st.st_uid), group=_group(st.st_gid),
-                mode=oct(stat.S_IMODE(st.st_mode)))
-    v.problems = _inspect(st, shared_gid, "the pool path")
-    if not v.problems and not stat.S_ISDIR(st.st_mode):
-        v.problems.append("the pool path is not a directory")
-    if not v.problems:
+        return Verdict.of(path, None, problems)
+    problems += inspect(st, shared_gid, "the pool path")
+    if not problems and not stat.S_ISDIR(st.st_mode):
+        problems.append("the pool path is not a directory")
+    if not problems:
         for name in POOL_FILES:
             try:
                 fst = os.lstat(os.path.join(path, name))
             except FileNotFoundError:
                 continue
-            v.problems += _inspect(fst, shared_gid, f"{name} in it")
-    v.ok = not v.problems
-    return v
+            problems += inspect(fst, shared_gid, f"{name} in it", is_file=True)
+    return Verdict.of(path, st, problems)
 
 
-def _fix_modes(path: str, shared_gid: int | None) -> None:
-    """Exact modes (and the shared group) on what this user owns."""
-    dir_mode, file_mode = (0o700, 0o600) if shared_gid is None else (0o2770, 0o660)
-    uid = os.geteuid()
-    tightened = []
-    for name, mode in [(None, dir_mode)] + [(n, file_mode) for n in POOL_FILES]:
-        p = path if name is None else os.path.join(path, name)
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            continue
-        if st.st_uid != uid:
-            continue  # a group member's file (shared mode): checked, not ours to change
-        if shared_gid is not None and st.st_gid != shared_gid:
-            os.chown(p, -1, shared_gid)
-        if stat.S_IMODE(st.st_mode) != mode:
-            if stat.S_IMODE(st.st_mode) & ~mode & 0o077:
-                tightened.append(f"{p} {oct(stat.S_IMODE(st.st_mode))}")
-            os.chmod(p, mode)
-    if tightened:
-        logger.warning("vllm-layerwise-patch pool: access narrowed to %s for %s",
-                       "this user" if shared_gid is None else "its group",
-                       ", ".join(tightened))
-
-
-def refuse(v: Verdict, shared_group: str | None) -> PoolConfigError:
+def refuse(v: Verdict, shared_group: str | None) -> UnsafePoolPath:
     fix = ("point kv_connector_extra_config.path at a directory of your own (the default "
            "is per user), or remove this one" if shared_group is None else
-           f"give the directory group {shared_group} with mode 2770 and its files 0660 "
+           f"give the directory group {shared_group} with mode 3770 and its files 0660 "
            "(chgrp -R / chmod), or choose another path")
-    return PoolConfigError(f"{PREFIX}.path: refusing the pool at {v.summary()}. Fix: {fix}. "
-                           "Nothing was read from it.")
-
-
-def prepare_pool_dir(path: str, shared_group: str | None = None) -> int:
-    """Create or check the pool directory before anything is read from it;
-    returns the file mode the backend creates its files with."""
-    shared_gid = _group_id(shared_group) if shared_group else None
-    if shared_gid is not None and os.geteuid() != 0 and shared_gid not in os.getgroups():
-        raise PoolConfigError(f"{PREFIX}.shared_group: this user is not a member of "
-                              f"{shared_group!r}")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    try:
-        os.mkdir(path, 0o700 if shared_gid is None else 0o770)
-    except FileExistsError:
-        pass
-    else:  # ours: give it the shared group before the check
-        if shared_gid is not None:
-            os.chown(path, -1, shared_gid)
-            os.chmod(path, 0o2770)
-    v = check_pool_path(path, shared_group)
-    if not v.ok:
-        raise refuse(v, shared_group)
-    _fix_modes(path, shared_gid)
-    return 0o600 if shared_gid is None else 0o660
-
-
-def fix_file_modes(path: str, shared_group: str | None = None) -> None:
-    """After the backend created its files: exact modes whatever the umask."""
-    _fix_modes(path, _group_id(shared_group) if shared_group else None)
+    if any("above it" in p for p in v.problems):
+        fix = ("put the pool under directories that only root or this user can write "
+               "(or that have the sticky bit, like /dev/shm)")
+    err = UnsafePoolPath(f"{PREFIX}.path: refusing the pool at {v.summary()}. Fix: {fix}. "
+                         "Nothing was read from it.")
+    err.verdict = v
+    return err

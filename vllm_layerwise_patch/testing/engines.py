@@ -26,6 +26,10 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 ``legacy_block_hash`` negative control: pool block ``i`` named by
                  ``hashes[i]`` (wrong when prefix_match_unit < block);
 ``legacy_namespace`` negative control: a namespace blind to the weights;
+``default_pool_path`` the per-user default pool path stands here (a test
+                 that must not touch this user's real default);
+``transformers_version`` the version transformers writes into every config
+                 it serializes (an upgrade of transformers alone, simulated);
 ``fill``         ``[path, bytes]``: after the engine started, write a file of
                  that size (or until the filesystem is full) - a pool
                  filesystem filling up at runtime;
@@ -60,6 +64,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from . import engine_controls
 
 __all__ = ["EngineRun", "engine_env", "kv_metrics", "run_engine", "served", "start_engine",
            "toks"]
@@ -240,18 +246,6 @@ def _serve(llm: Any, phase: dict[str, Any], sp: Any, spec: dict[str, Any], probe
     return out
 
 
-def _legacy_block_hash() -> None:
-    from vllm_layerwise_patch.pool.layout import PoolLayout
-
-    PoolLayout.block_hash = lambda self, hashes, i: bytes(hashes[i])
-
-
-def _legacy_namespace() -> None:
-    from vllm_layerwise_patch.pool import identity
-
-    identity.weights_identity = lambda model, revision=None: {"resolved": True}
-
-
 def _fill(path: str, size: int) -> None:
     chunk = bytes(1 << 20)
     with open(path, "wb") as f:
@@ -311,10 +305,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("umask") is not None:
         os.umask(spec["umask"])
     probe = _install_mtp_probe() if spec.get("mtp_probe") else None
-    if spec.get("legacy_block_hash"):
-        _legacy_block_hash()
-    if spec.get("legacy_namespace"):
-        _legacy_namespace()
+    engine_controls.apply(spec)  # (legacy_*, transformers_version, default_pool_path)
     if spec.get("startup"):
         return _startup(spec)
     from vllm import LLM, SamplingParams

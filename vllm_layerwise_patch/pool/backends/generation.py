@@ -24,6 +24,8 @@ matches a generation of the new one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import contextlib
 import fcntl
 import mmap
@@ -54,14 +56,20 @@ class Generation(NamedTuple):
 
 
 class GenerationFile:
-    def __init__(self, path: str, mode: int = 0o600) -> None:
+    def __init__(self, path: str, mode: int = 0o600,
+                 opener: Callable[[], int] | None = None) -> None:
+        """``opener`` (the pool directory's checked open, never through a
+        link) gives the file, read-write, each time it is (re)opened; by
+        default ``path`` is opened without following a link."""
         self.path, self.mode = path, mode
+        self._opener = opener or (lambda: os.open(
+            self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, self.mode))
         self.epoch = 0
         self._lock = threading.Lock()  # (flock does not exclude this process's threads)
         self._fd, self._map, self._ident = self._open()
 
     def _open(self) -> tuple[int, mmap.mmap, tuple[int, int]]:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, self.mode)
+        fd = self._opener()
         try:
             st = os.fstat(fd)
             if st.st_size < _PAIR.size:  # created now (or by a process killed at once)

@@ -73,8 +73,9 @@ class LmdbBackend(Backend):
                  preallocate: bool = True) -> None:
         self.path, self.capacity = path, int(capacity_bytes)
         self.evict_fraction, self.pin_seconds = evict_fraction, pin_seconds
-        self.env, dbs, self._gen, self.writemap = open_environment(
+        self.env, dbs, self._gen, self.writemap, self._files = open_environment(
             path, self.capacity, shared_group, preallocate)
+        self.path = self._files.path  # (the directories above it resolved)
         self.data, self.groups, self.lru, self.pins = dbs  # lmdb_files.DATABASES
         # with writemap, a write the file cannot back is a SIGBUS: refuse them
         self._writes_refused: str | None = None
@@ -111,13 +112,13 @@ class LmdbBackend(Backend):
             before = self.env.info()["map_size"]
             # writemap: never below the file (LMDB would truncate it under other
             # engines); others' data never lies past it.  0: the recorded size.
-            self.env.set_mapsize(max(before, file_size(self.path)) if self.writemap else 0)
+            self.env.set_mapsize(max(before, file_size(self._files)) if self.writemap else 0)
             self.map_size = self.env.info()["map_size"]
         if self.map_size > before:
             logger.info("vllm-layerwise-patch pool: another engine grew %s to %d bytes; "
                         "sharing it", self.path, self.map_size)
             if self.writemap:
-                self._writes_refused = unbacked_growth(self.path, self.map_size)
+                self._writes_refused = unbacked_growth(self._files, self.map_size)
             return True
         return False
 
@@ -269,7 +270,7 @@ class LmdbBackend(Backend):
                         raise PoolFull("no room: every entry is pinned by a pending load "
                                        "(or the pool is smaller than one step's saves)")
                 except lmdb.Error as exc:  # I/O: a full filesystem shows as EIO/ENOSPC
-                    st = os.statvfs(self.path)
+                    st = os.fstatvfs(self._files.dir.fd)
                     free = st.f_bavail * st.f_frsize
                     if free < need:
                         raise PoolFull(f"the filesystem of {self.path} is full ({free} "
@@ -348,3 +349,4 @@ class LmdbBackend(Backend):
             self.closed = True
             self.env.close()
             self._gen.close()
+            self._files.close()
