@@ -113,13 +113,17 @@ def _steps(events):
     """Events of each engine step that had connector metadata, in order.  A
     step runs [finish] decision prepare bind <layers> wait_for_save, so steps
     are cut after each wait_for_save; segments without a bind (profile and
-    warm-up runs) are left out."""
+    warm-up runs) are left out, and so are steps without a forward (no
+    decision kernel, no layer): with asynchronous scheduling - the GPU
+    default the harness keeps - vLLM binds metadata for an empty batch once
+    the last request has finished, and no layer hook runs in it."""
     steps: dict[int, list] = {}
     current: list = []
     for kind, name, _ in events:
         current.append((kind, name))
         if kind == "wait_for_save":
-            if any(k == "bind" for k, _ in current):
+            if any(k == "bind" for k, _ in current) and any(
+                    k in ("decision", "load") for k, _ in current):
                 steps[len(steps)] = current
             current = []
     return steps

@@ -98,13 +98,17 @@ def layer_index(name: str) -> int:
 
 
 def split_steps(events: list[tuple[str, str, int]]) -> list[list[tuple[str, str]]]:
-    """Events of each step that had connector metadata (cut after each
-    wait_for_save; segments without a bind are profile / warm-up runs)."""
+    """Events of each step that had connector metadata and a forward (cut
+    after each wait_for_save; segments without a bind are profile / warm-up
+    runs; a bind without any layer hook or pre-copy deferral is the empty
+    batch vLLM's asynchronous scheduling - the GPU default - runs once the
+    last request has finished)."""
     steps, current = [], []
     for kind, name, _ in events:
         current.append((kind, name))
         if kind == "wait_for_save":
-            if any(k == "bind" for k, _ in current):
+            if any(k == "bind" for k, _ in current) and any(
+                    k in ("load", "save", "prepare") for k, _ in current):
                 steps.append(current)
             current = []
     return steps
