@@ -1036,3 +1036,35 @@ def test_a_failed_load_taints_its_request_and_blocks_until_the_scheduler_saw_it(
     assert [s.req_id for s in bad] == ["a", "d"] and healthy == []
     q.seen(["a"])
     assert not q and q.split(later) == (later, [])
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_removal_between_the_walk_and_the_pin_shortens_the_hit(tmp_path, verify):
+    # Another process removes block 2 after the lookup read the markers (the
+    # hit cache holds them, and with verification the checked pages) but
+    # before the pin: the hit must end before it - by reading the pages
+    # (verify_on_lookup) or by asking the markers again - both under the
+    # generation noted after the pin.
+    from vllm_layerwise_patch.pool.keys import ATTN, group_key
+
+    def remove(sched, hashes):
+        return lambda *_: sched.backend.delete_groups([group_key(NS, ATTN, hashes[2], 0)])
+
+    sched = _scheduler(tmp_path, verify=verify)
+    hashes = _committed(sched, 4)
+    req = _req(hashes, 4 * 4 + 1)
+    assert sched.lookup(req, 0) == 4  # cached now
+    assert sched.lookup(req, 0, pin=remove(sched, hashes)) == 2
+    assert sched.lookup(req, 0) == 2
+    # negative control: the generation not noted again after the pin - the
+    # cache answers with the walk's generation and the removed block is a hit
+    stale = _scheduler(tmp_path / "stale", verify=verify)
+    hashes = _committed(stale, 4)
+    assert stale.lookup(req, 0) == 4
+    noted = stale.note_generation
+
+    def once():
+        noted()
+        stale.note_generation = lambda: None
+    stale.note_generation = once
+    assert stale.lookup(req, 0, pin=remove(stale, hashes)) == 4

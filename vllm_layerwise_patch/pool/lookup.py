@@ -133,21 +133,6 @@ class PoolLookup(PoolSide):
             self.backend.delete_groups(sorted(broken))
         return sound[ATTN], sound[STATE]
 
-    def _still_there(self, blocks: list[bytes], local: int, run: int,
-                     state_ok: list[bool]) -> tuple[int, list[bool]]:
-        t, hashes = self.tp_size, blocks[local:run]
-        kinds = (ATTN, STATE) if self.layout.has_state else (ATTN,)
-        found = {kind: self.backend.exists_many([marker_key(self.ns, kind, h, tp)
-                                                 for h in hashes for tp in range(t)])
-                 for kind in kinds}
-        per = {kind: [all(f[i * t:(i + 1) * t]) for i in range(len(hashes))]
-               for kind, f in found.items()}
-        run = local + next((i for i, a in enumerate(per[ATTN]) if not a), len(hashes))
-        if STATE in per:
-            state_ok = state_ok[:local] + [a and b for a, b in
-                                           zip(state_ok[local:], per[STATE])]
-        return run, state_ok
-
     # -- the walk ------------------------------------------------------------------
     def lookup(self, request: Any, num_computed_tokens: int, pin=None) -> int:
         """Hit length in pool blocks (0 when the pool cannot beat the local hit).
@@ -189,9 +174,14 @@ class PoolLookup(PoolSide):
             attn_sound, state_ok = self._verify(blocks, tokens, local, run, state_ok)
             run = next((i for i in range(local, run) if not attn_sound[i]), run)
         elif pin is not None and run > local:
-            # nothing is read: the markers, asked again now that the blocks
-            # are pinned (bypassing the hit cache), say they are still there
-            run, state_ok = self._still_there(blocks, local, run, state_ok)
+            # nothing is read: the markers, asked again under the generation
+            # noted after the pin (a removal in between is not answered from
+            # the hit cache), say they are still there
+            if L.has_state:
+                state_ok = state_ok[:local] + [a and b for a, b in zip(
+                    state_ok[local:], self.present(STATE, blocks[local:run]))]
+            still = self.present(ATTN, blocks[local:run])
+            run = local + next((i for i, a in enumerate(still) if not a), run - local)
         k = run
         if self.drafter and self.config.draft_hit_rule == "trim":
             k -= 1

@@ -34,8 +34,6 @@ import dataclasses
 import logging
 from typing import Any
 
-import time
-
 from .faults import pause_here
 from .keys import ATTN, STATE, group_key
 from .layout import PoolLayout
@@ -73,7 +71,7 @@ class PoolScheduler(PoolLookup):
         ktc, self.loads_on, self.saves_on = kv_roles(vllm_config)
         # vLLM plans step N+1 before it processes step N's output: a failed
         # load of step N is learnt after N+1's saves were planned (the
-        # workers keep those out of the pool, see worker.PoolWorker)
+        # workers keep those out of the pool, see worker_taint)
         self.async_scheduling = bool(getattr(getattr(vllm_config, "scheduler_config", None),
                                              "async_scheduling", False))
         self.failure_policy = getattr(ktc, "kv_load_failure_policy", None) or "fail"
