@@ -156,6 +156,9 @@ def test_master_down_fails_fast_and_reconnects(tmp_path):
         assert time.monotonic() - t0 < 0.5
         lm.start_master()
         deadline = time.monotonic() + 30
+        while not be.stats()["available"]:  # back by itself, with no operation asking
+            assert time.monotonic() < deadline, "no reconnect while idle"
+            time.sleep(0.2)
         while True:
             try:
                 be.put_many([(b"t3/g/L1", pack(NS, b"b" * 100))])
@@ -216,12 +219,11 @@ class _SlowMaster:
 
 
 def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
-    # Every reconnect_seconds an operation on a pool whose master is down
-    # starts an attempt to reach it again: Mooncake's setup (about 90 s
-    # against a master that accepts connections and never answers) or a
-    # probe of the client (its RPC time-outs).  The caller - the scheduler's
-    # lookup, a worker's load - fails at once meanwhile, and one attempt
-    # runs at a time.
+    # Every reconnect_seconds, while the master is down, a background thread
+    # attempts to reach it again: Mooncake's setup (about 90 s against a
+    # master that accepts connections and never answers) or a probe of the
+    # client (its RPC time-outs).  The caller - the scheduler's lookup, a
+    # worker's load - fails at once meanwhile, and one attempt runs at a time.
     import socket
     import threading
 
@@ -251,11 +253,17 @@ def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
                 time.sleep(0.05)
 
     try:
+        deadline = time.monotonic() + 5
+        while be.attempts < 2:  # it retries by itself, every reconnect_seconds
+            assert time.monotonic() < deadline, "no retry without an operation"
+            time.sleep(0.05)
         monkeypatch.setattr(_SlowMaster, "mode", "slow")
-        for _ in range(5):  # a setup that hangs
+        time.sleep(0.2)  # the attempt under way now hangs in setup
+        attempts = be.attempts
+        for _ in range(5):  # one attempt at a time: no new one while it hangs
             fails_at_once()
             time.sleep(0.1)
-        assert be.attempts == 1
+        assert be.attempts == attempts
         _SlowMaster.answer.set()
         assert back_up() == [False]
         # connected; the master goes away and its probe hangs
@@ -314,6 +322,10 @@ def test_two_engine_processes_share_one_pool(tiny_model_dir, work, cold, cluster
     assert "layerwise loads and saves" in b["log"]
 
 
+DOWN = "the pool serves no hits and saves nothing"
+BACK = "the pool is back"
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("victim", ["master", "holder"])
 def test_killing_the_master_or_holder_in_flight_recomputes_and_hits_resume(
@@ -341,7 +353,11 @@ def test_killing_the_master_or_holder_in_flight_recomputes_and_hits_resume(
         lm.pids.pop(victim, None)
         lm.start()  # the master, the holder, or both come back
         wait_until_storing(lm.master_address)
-        time.sleep(2)  # the engine's client reconnects (reconnect_seconds=1)
+        # the idle engine reconnects by itself: every backend that went down
+        # (the scheduler's, the worker's; a dead holder takes none down)
+        # says it is back
+        least = 1 if victim == "master" else 0
+        run.wait_for_log(lambda log: least <= log.count(DOWN) <= log.count(BACK))
         go.touch()
         res = run.result()
     finally:

@@ -62,7 +62,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import engine_controls
@@ -88,17 +90,38 @@ class EngineRun:
                  cwd: str | None = None, timeout: float = 900) -> None:
         self.spec = spec
         self.timeout = timeout
+        # files, not pipes: readable while the engine runs, and never full
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_layerwise_patch.testing.engines", json.dumps(spec)],
             env=engine_env() if env is None else env, cwd=cwd, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            stdout=self._out, stderr=self._err)
+
+    @staticmethod
+    def _read(f: Any) -> str:
+        f.seek(0)
+        return f.read()
+
+    def log(self) -> str:
+        """What the engine wrote so far (stdout, where vLLM logs, and stderr)."""
+        return self._read(self._out) + self._read(self._err)
+
+    def wait_for_log(self, done: Callable[[str], bool], timeout: float = 120.0) -> str:
+        """The engine's log, once ``done(log)`` holds (or AssertionError)."""
+        deadline = time.monotonic() + timeout
+        while not done(log := self.log()):
+            assert self.proc.poll() is None, f"engine exited:\n{log[-3000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting; log:\n{log[-3000:]}"
+            time.sleep(0.2)
+        return log
 
     def result(self) -> dict[str, Any]:
         try:
-            out, err = self.proc.communicate(timeout=self.timeout)
+            self.proc.wait(timeout=self.timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, err = self.proc.communicate()
+            self.proc.wait()
+        out, err = self._read(self._out), self._read(self._err)
         lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
         log = out + err
         if not lines:

@@ -3,14 +3,15 @@ process holds, and coming back after the master went away.  A mixin of
 :class:`.mooncake.MooncakeBackend`.
 
 While the master is down every operation fails at once (BackendUnavailable:
-the pool serves no hits and saves nothing, logged once).  Every
-``reconnect_seconds`` an operation starts one attempt to reach it again -
-the setup, or a probe of a client already set up - in a background thread,
-and fails at once as before: the attempt can take seconds (a connect
-time-out, Mooncake's RPC time-outs, its setup blocking for about 90 s
-against a master that accepts connections and never answers), and the
-caller is the engine's scheduler or a worker's load.  Operations succeed
-again once an attempt succeeded.
+the pool serves no hits and saves nothing, logged once).  A background
+thread tries to reach it again every ``reconnect_seconds`` - the setup, or
+a probe of a client already set up - until one attempt succeeds or the
+backend is closed: an attempt can take seconds (a connect time-out,
+Mooncake's RPC time-outs, its setup blocking for about 90 s against a
+master that accepts connections and never answers), and the callers are
+the engine's scheduler and its workers' loads, which never wait for it.
+An idle engine therefore comes back by itself: the first request after
+the master returns is served from the pool.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class MooncakeConnection:
         self._local_segment = ""  # this process's segment, where saves go first
         self._down_until = 0.0
         self._down = False
+        self._watch_lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
         self.attempts = 0  # connect attempts after the first (tests)
 
     def _connect(self) -> None:
@@ -102,23 +105,41 @@ class MooncakeConnection:
         self.log.warning("down", "vllm-layerwise-patch pool: %s; the pool serves no hits and "
                         "saves nothing until it answers (retrying every %.0f s)", why,
                         self.cfg.reconnect_seconds)
+        self._watch()
+
+    def _watch(self) -> None:
+        """Start the thread that reconnects, unless it runs already."""
+        with self._watch_lock:
+            if self._watcher is None or not self._watcher.is_alive():
+                self._watcher = threading.Thread(target=self._reconnect_until_up,
+                                                 name="vlp-mooncake-reconnect", daemon=True)
+                self._watcher.start()
 
     def _ready(self) -> Any:
         """The store, or BackendUnavailable at once while the master is (or
-        was recently) down - when a retry is due, one is started in the
-        background."""
+        was recently) down."""
         if not self._down and self._store is not None:
             return self._store
-        if time.monotonic() >= self._down_until and self._conn_lock.acquire(blocking=False):
-            self.attempts += 1
-            threading.Thread(target=self._reconnect, name="vlp-mooncake-reconnect",
-                             daemon=True).start()  # it releases the lock
+        self._watch()  # (normally running already)
         raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} "
                                  "is unreachable")
 
-    def _reconnect(self) -> None:
-        """One attempt to reach the master again (a background thread that
-        holds ``_conn_lock``)."""
+    def _reconnect_until_up(self) -> None:
+        """Attempts every ``reconnect_seconds`` while the master is down and
+        the backend open (a background thread)."""
+        while self._down and not self.closed:
+            wait = self._down_until - time.monotonic()
+            if wait > 0:
+                time.sleep(min(wait, 1.0))
+                continue
+            with self._conn_lock:
+                if self.closed:
+                    return
+                self.attempts += 1
+                self._attempt()
+
+    def _attempt(self) -> None:
+        """One attempt to reach the master again (``_conn_lock`` held)."""
         try:
             if self._store is None:
                 self._connect()
@@ -127,12 +148,9 @@ class MooncakeConnection:
                                          "still unreachable")
         except Exception:  # noqa: BLE001 - down it stays; tried again later
             self._down_until = time.monotonic() + self.cfg.reconnect_seconds
-            return
         else:
             if self._down:
                 self._down = False
                 self.log.forget("down")
                 logger.warning("vllm-layerwise-patch pool: Mooncake master at %s answers "
                                "again; the pool is back", self.cfg.master_address)
-        finally:
-            self._conn_lock.release()
