@@ -4,10 +4,13 @@ extra-config validation and the scheduler's lookup rules."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -19,6 +22,7 @@ import torch
 from vllm_layerwise_patch.pool.backends.base import CorruptEntry, PoolFull, pack, unpack
 from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfig, PoolConfigError
+from vllm_layerwise_patch.pool.keys import STATE, page_key
 from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline, LoadError
 
 NS = b"N" * 16
@@ -330,6 +334,46 @@ def test_lmdb_preallocated_pool_keeps_its_space_when_the_filesystem_fills(small_
         be.put_many(_block(i, size=100_000))
     assert _present(be, 11) == [True] * 3
     be.close()
+
+
+class _OneTransactionEviction(LmdbBackend):
+    """The eviction before the fix: a round in one transaction, no retry."""
+
+    EVICT_CHUNK = 1 << 62
+
+    def _evict_chunk(self, budget):
+        import lmdb
+
+        try:
+            return super()._evict_chunk(budget)
+        except lmdb.MapFullError as exc:
+            raise RuntimeError(f"eviction commit failed: {exc}") from None
+
+
+@pytest.mark.parametrize("backend", [LmdbBackend, _OneTransactionEviction])
+def test_lmdb_eviction_commits_in_a_full_large_map(backend):
+    # A transaction that frees pages writes too (copies of the B-tree pages
+    # it changes, the freed page numbers): one freeing 300 MiB of a full
+    # 1 GiB map could not commit (MDB_MAP_FULL), and the pool never saved
+    # again.  Eviction commits in chunks, halved while there is no room;
+    # the negative control (one transaction per round) shows the failure.
+    shm = tempfile.mkdtemp(prefix="vlp-test-evict-", dir="/dev/shm")
+    try:
+        be = backend(os.path.join(shm, "pool"), 1 << 30, evict_fraction=0.3, pin_seconds=0)
+        page = pack(NS, os.urandom(160 << 10))
+        rounds = 0
+        with contextlib.ExitStack() as stack:
+            if backend is _OneTransactionEviction:
+                stack.enter_context(pytest.raises(RuntimeError, match="MDB_MAP_FULL"))
+            for i in range(700):  # 1.75 GB through the 1 GiB pool
+                be.put_many([(page_key(NS, STATE, bytes([i % 256, i // 256]) * 16, 0, str(j)),
+                              page) for j in range(16)])
+                rounds = be.stats()["evictions"]
+        if backend is LmdbBackend:
+            assert rounds >= 2
+        be.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 # -- configuration -------------------------------------------------------------

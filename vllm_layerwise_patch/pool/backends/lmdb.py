@@ -13,10 +13,8 @@ so the file is RAM) with four databases:
 
 A put runs in one write transaction (atomic), through ``writemap`` when the
 file is preallocated (:mod:`.lmdb_files`).  When the map is full, the
-least recently used unpinned groups are chosen and deleted in one write
-transaction (access times read inside it), then one or two tiny write
-transactions let LMDB reuse the freed pages (it does so only after a later
-commit), then the put is retried.  If pinned groups leave no room, or the
+least recently used unpinned groups are chosen and deleted
+(:mod:`.lmdb_evict`), then the put is retried.  If pinned groups leave no room, or the
 filesystem under the pool is full, the put raises PoolFull: the caller skips
 that save.
 
@@ -32,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Iterable
@@ -41,13 +38,11 @@ from ..keys import group_of
 from .base import Backend, BackendError, PoolFull
 from .gate import Gate
 from .generation import REMOVALS, STORES, Generation
+from .lmdb_evict import _GROUP, _T, LmdbEviction
 from .lmdb_files import file_size, open_environment, unbacked_growth
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
-_T = struct.Struct(">d")  # big-endian positive doubles sort by value
-_GROUP = struct.Struct(">dQ")  # last use, bytes
-_TICK = b"\0vlp-tick"
 _PIN_SEP = b"\0"  # pins: group NUL owner -> expiry (one pin per pending load)
 
 
@@ -67,7 +62,7 @@ def open_shared(path: str, capacity_bytes: int, **kw) -> LmdbBackend:
         return backend
 
 
-class LmdbBackend(Backend):
+class LmdbBackend(LmdbEviction, Backend):
     def __init__(self, path: str, capacity_bytes: int, *, evict_fraction: float = 0.1,
                  pin_seconds: float = 30.0, shared_group: str | None = None,
                  preallocate: bool = True) -> None:
@@ -297,40 +292,6 @@ class LmdbBackend(Backend):
         self._gen.end(STORES, stored)
         if replaced is not False:
             self._gen.end(REMOVALS, replaced)
-
-    def _evict(self, need: int) -> int:
-        """Delete the least recently used unpinned groups - chosen inside one
-        write transaction - to free about ``evict_fraction`` of the pool.
-        Returns the bytes freed (0: nothing could go)."""
-        self.env.reader_check()  # slots of killed readers would pin old pages
-        target = max(need * 2, int(self.map_size * self.evict_fraction))
-        now_t = _T.pack(time.time())
-        freed = dropped = 0
-        with self._txn(write=True) as txn:
-            begun = self._gen.begin(REMOVALS)
-            victims = []
-            for key, _ in txn.cursor(db=self.lru):
-                group = bytes(key[_T.size:])
-                if self._pinned(txn, group, now_t):
-                    continue  # a pending load reads it
-                victims.append(group)
-                freed += _GROUP.unpack(txn.get(group, db=self.groups))[1]
-                if freed >= target:
-                    break
-            for group in victims:
-                self._drop(txn, group)
-            dropped = len(victims)
-        self._gen.end(REMOVALS, begun)
-        if not dropped:
-            return 0
-        # freed pages become reusable only after a later write txn commits
-        for i in range(2):
-            with self._txn(write=True) as txn:
-                txn.put(_TICK, _T.pack(time.time()), db=self.pins)
-        self.evictions += 1
-        self.evicted_groups += dropped
-        logger.info("vllm-layerwise-patch pool: evicted %d blocks (%d bytes)", dropped, freed)
-        return max(freed, 1)
 
     def stats(self) -> dict[str, int]:
         with self._txn() as txn:
