@@ -1,0 +1,316 @@
+"""How the embedded (LMDB) pool's cost grows: with the entries it holds, the
+engines sharing it, and the medium under it - each curve from one run.
+
+* ``entries``: pools pre-filled with N blocks (two groups each, as the tiny
+  hybrid: a state group of three layer pages and an attention group of one,
+  each with its commit marker; tiny pages, since the count is what matters):
+  the scheduler's lookup of a 16-block hit with the hit cache cold (every
+  lookup asks the backend and verifies every page) and warm, a save
+  transaction of one block, one eviction round, and opening the pool
+  (including LMDB's stale-reader check) - median and p99 per operation;
+* ``engines``: 1, 2 and 4 processes saving and loading 160 KiB pages at once
+  on one pool, against the same number of processes on separate pools:
+  aggregate and per-process GB/s, and the time each process waits for
+  LMDB's one writer (the put's wall time minus the same put alone);
+* ``medium``: save and load GB/s on /dev/shm and on a disk-backed directory
+  (LMDB's default durability as the pool opens it: no fsync per commit);
+* ``hit_cache``: the scheduler's hit cache filled to its default size -
+  its Python heap, measured with tracemalloc.
+
+    python benchmarks/bench_scale.py [--quick] [--out benchmarks/results/scale]
+
+Writes ``scale.json`` and one PNG per curve (matplotlib, when installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+import types
+
+import _results
+
+from vllm_layerwise_patch.pool.backends.base import pack
+from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.config import PoolConfig
+from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
+from vllm_layerwise_patch.pool.layout import PoolLayout
+from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+
+NS = b"S" * 16
+BLOCK, HIT = 640, 16
+TINY = 64  # bytes per page in the entries curve
+PAGE = 160 << 10  # bytes per page in the engines and medium curves
+
+
+def _hash(i: int) -> bytes:
+    return i.to_bytes(8, "big") * 4
+
+
+def _block(h: bytes, page: bytes, marker: bytes) -> list[tuple[bytes, bytes]]:
+    items = [(page_key(NS, ATTN, h, 0, "3"), page), (marker_key(NS, ATTN, h, 0), marker)]
+    items += [(page_key(NS, STATE, h, 0, str(i)), page) for i in range(3)]
+    return items + [(marker_key(NS, STATE, h, 0), marker)]
+
+
+def _scheduler(backend: LmdbBackend, page_bytes: int, ttl: float) -> PoolScheduler:
+    layout = PoolLayout(kinds=("state", "attn"), block_size=BLOCK, hash_block_size=BLOCK,
+                        group_layers=(("model.layers.0.x", "model.layers.1.x",
+                                       "model.layers.2.x"), ("model.layers.3.x",)),
+                        page_bytes=page_bytes)
+    return PoolScheduler(vllm_config=types.SimpleNamespace(kv_transfer_config=None),
+                         layout=layout, backend=backend, namespace=NS,
+                         config=PoolConfig.from_extra({"hit_cache_ttl": ttl}))
+
+
+def _stats(seconds: list[float]) -> dict[str, float]:
+    s = sorted(seconds)
+    return {"median_us": round(statistics.median(s) * 1e6, 1),
+            "p99_us": round(s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6, 1), "n": len(s)}
+
+
+def _timed(fn, n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# -- entries ----------------------------------------------------------------------
+def entries_point(n: int, tmp: str, reps: int) -> dict:
+    path = os.path.join(tmp, f"n{n}")
+    cap = max(64 << 20, n * 2200)
+    be = LmdbBackend(path, cap, pin_seconds=0)
+    page, marker = pack(NS, os.urandom(TINY)), pack(NS, b"")
+    t0 = time.perf_counter()
+    for start in range(0, n, 2000):  # steps of 2000 blocks, as engines save them
+        be.put_many([kv for i in range(start, min(n, start + 2000))
+                     for kv in _block(_hash(i), page, marker)])
+    fill_s = time.perf_counter() - t0
+    rng = __import__("random").Random(n)
+    hits = [[_hash(rng.randrange(n)) for _ in range(HIT)] for _ in range(reps)]
+    out = {"blocks": n, "groups": be.stats()["groups"], "entries": be.stats()["entries"],
+           "fill_s": round(fill_s, 2)}
+    for label, ttl in (("lookup_cold", 0.0), ("lookup_warm", 30.0)):
+        sched = _scheduler(be, TINY, ttl)
+
+        def lookup(i: int, sched=sched) -> None:
+            req = types.SimpleNamespace(block_hashes=hits[i % len(hits) if ttl == 0 else 0],
+                                        num_tokens=HIT * BLOCK + 1, request_id=f"r{i}",
+                                        all_token_ids=[])
+            hit, _ = sched.get_num_new_matched_tokens(req, 0)
+            assert hit == HIT * BLOCK, hit
+            sched.request_finished(req)
+        for i in range(20):  # warm-up (imports, first touches; the cache when it is on)
+            lookup(i)
+        out[label] = _stats(_timed(lookup, reps))
+    fresh = [_hash(n + i) for i in range(reps)]
+    out["save_block"] = _stats(_timed(lambda i: be.put_many(_block(fresh[i], page, marker)),
+                                      reps))
+    # one eviction round as a full pool of this many entries runs it: a
+    # tenth (the default evict_fraction) of what the pool holds
+    used = be.stats()["used_bytes"]
+    be.evict_fraction = 0.1 * used / be.map_size
+    t0 = time.perf_counter()
+    freed = be._evict(1)
+    ms = (time.perf_counter() - t0) * 1e3
+    out["evict_round"] = {"ms": round(ms, 1), "groups_dropped": be.evicted_groups,
+                          "bytes_freed": freed,
+                          "us_per_group": round(ms * 1e3 / max(1, be.evicted_groups), 2)}
+    be.close()
+    out["open"] = _stats(_timed(lambda i: LmdbBackend(path, cap, pin_seconds=0).close(),
+                                max(5, reps // 10)))
+    shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+# -- engines and medium ---------------------------------------------------------------
+def _worker(path: str, cap: int, seconds: float, start: float, q) -> None:
+    be = LmdbBackend(path, cap, pin_seconds=0)
+    payload = pack(NS, os.urandom(PAGE))
+    marker = pack(NS, b"")
+    pid = os.getpid()
+    while time.time() < start:
+        time.sleep(0.001)
+    saved = loaded = 0
+    put_s = []
+    i = 0
+    end = time.time() + seconds
+    while time.time() < end:
+        items = [kv for b in range(4) for kv in _block(_hash(pid * 10**6 + i * 4 + b),
+                                                         payload, marker)]
+        t0 = time.perf_counter()
+        be.put_many(items)
+        put_s.append(time.perf_counter() - t0)
+        saved += sum(len(v) for _, v in items)
+        got = [0]
+        be.read_many([k for k, _ in items], lambda j, k, v: got.__setitem__(0, got[0] + len(v)))
+        loaded += got[0]
+        i += 1
+    be.close()
+    q.put({"saved_bytes": saved, "loaded_bytes": loaded, "seconds": seconds,
+           "put_median_ms": statistics.median(put_s) * 1e3})
+
+
+def _concurrent(paths: list[str], cap: int, seconds: float) -> dict:
+    ctx = mp.get_context("fork")  # (the parent holds no LMDB environment open here)
+    q = ctx.Queue()
+    start = time.time() + 3.0  # every process opened its pool by then
+    procs = [ctx.Process(target=_worker, args=(p, cap, seconds, start, q)) for p in paths]
+    for p in procs:
+        p.start()
+    res = [q.get(timeout=seconds + 120) for _ in procs]
+    for p in procs:
+        p.join()
+    gb = 1e9
+    return {"processes": len(paths), "pools": len(set(paths)),
+            "save_GBps_total": round(sum(r["saved_bytes"] for r in res) / seconds / gb, 3),
+            "load_GBps_total": round(sum(r["loaded_bytes"] for r in res) / seconds / gb, 3),
+            "save_GBps_per_process": round(min(r["saved_bytes"] for r in res) / seconds / gb, 3),
+            "put_median_ms": round(statistics.median(r["put_median_ms"] for r in res), 2)}
+
+
+def engines_curve(tmp: str, seconds: float) -> list[dict]:
+    cap = 2 << 30
+    out = []
+    for k in (1, 2, 4):
+        shared = _concurrent([os.path.join(tmp, f"shared{k}")] * k, cap, seconds)
+        separate = _concurrent([os.path.join(tmp, f"sep{k}-{i}") for i in range(k)],
+                               cap // k, seconds)
+        alone = out[0]["one_pool"]["put_median_ms"] if out else shared["put_median_ms"]
+        out.append({"processes": k, "one_pool": shared, "separate_pools": separate,
+                    "writer_wait_ms": round(max(0.0, shared["put_median_ms"] - alone), 2)})
+        for p in os.listdir(tmp):
+            shutil.rmtree(os.path.join(tmp, p), ignore_errors=True)
+    return out
+
+
+def medium_curve(disk_dir: str, seconds: float) -> list[dict]:
+    out = []
+    for label, root in (("/dev/shm", "/dev/shm"), ("disk", disk_dir)):
+        tmp = tempfile.mkdtemp(prefix="vlp-bench-medium-", dir=root)
+        try:
+            r = _concurrent([os.path.join(tmp, "pool")], 2 << 30, seconds)
+            out.append({"medium": label, **r})
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# -- hit cache --------------------------------------------------------------------------
+def hit_cache_memory() -> dict:
+    from vllm_layerwise_patch.pool.backends.generation import Generation
+    from vllm_layerwise_patch.pool.hit_cache import HitCache
+
+    size = PoolConfig.from_extra({}).hit_cache_size
+    tracemalloc.start()
+    cache = HitCache(ttl=30.0, size=size)
+    gen = Generation(epoch=1, stores=1, removals=0)
+    keys = [marker_key(NS, STATE, _hash(i), 0) for i in range(size * 2)]
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(0, len(keys), 1000):
+        cache.presence(keys[i:i + 1000], gen, lambda ks: [True] * len(ks))
+        cache.mark_verified(keys[i:i + 1000], gen)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return {"hit_cache_size": size, "entries_kept": len(cache._present) + len(cache._verified),
+            "heap_MB": round(used / 1e6, 1), "bytes_per_entry": round(used / max(
+                1, len(cache._present) + len(cache._verified)))}
+
+
+def _plot(out_dir: str, doc: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    pts = doc["entries"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for op in ("lookup_cold", "lookup_warm", "save_block", "open"):
+        ax.plot([p["blocks"] for p in pts], [p[op]["p99_us"] for p in pts], "o-", label=op)
+    ax.set(xscale="log", yscale="log", xlabel="blocks in the pool", ylabel="p99 (µs)",
+           title="LMDB pool: cost per operation vs entries")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "entries.png"))
+    if doc.get("engines"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        e = doc["engines"]
+        for kind in ("one_pool", "separate_pools"):
+            ax.plot([p["processes"] for p in e], [p[kind]["save_GBps_total"] for p in e],
+                    "o-", label=f"save, {kind}")
+            ax.plot([p["processes"] for p in e], [p[kind]["load_GBps_total"] for p in e],
+                    "s--", label=f"load, {kind}")
+        ax.set(xlabel="processes", ylabel="GB/s (all processes)",
+               title="LMDB pool: engines per pool (160 KiB pages)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "engines.png"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "scale"))
+    ap.add_argument("--quick", action="store_true", help="10^3 and 10^4 blocks, short runs")
+    ap.add_argument("--disk-dir", default="/var/tmp", help="a disk-backed directory")
+    ap.add_argument("--curves", default="entries,engines,medium,hit_cache")
+    args = ap.parse_args()
+    curves = set(args.curves.split(","))
+    sizes = (10**3, 10**4) if args.quick else (10**3, 10**4, 10**5, 10**6)
+    seconds = 2.0 if args.quick else 8.0
+    doc: dict = {}
+    tmp = tempfile.mkdtemp(prefix="vlp-bench-scale-", dir="/dev/shm")
+    try:
+        if "entries" in curves:
+            doc["entries"] = []
+            for n in sizes:
+                doc["entries"].append(entries_point(n, tmp, 200 if args.quick else 1000))
+                p = doc["entries"][-1]
+                print(f"{n:>8} blocks: fill {p['fill_s']} s, lookup cold p99 "
+                      f"{p['lookup_cold']['p99_us']} us, warm p99 {p['lookup_warm']['p99_us']}"
+                      f" us, save p99 {p['save_block']['p99_us']} us, evict "
+                      f"{p['evict_round']['ms']} ms ({p['evict_round']['groups_dropped']} "
+                      f"groups), open p99 {p['open']['p99_us']} us", flush=True)
+            first, last = doc["entries"][0], doc["entries"][-1]
+            doc["lookup_cold_p99_ratio_largest_to_smallest"] = round(
+                last["lookup_cold"]["p99_us"] / first["lookup_cold"]["p99_us"], 2)
+        if "engines" in curves:
+            doc["engines"] = engines_curve(tmp, seconds)
+            for e in doc["engines"]:
+                print(f"{e['processes']} processes: one pool save "
+                      f"{e['one_pool']['save_GBps_total']} GB/s load "
+                      f"{e['one_pool']['load_GBps_total']} GB/s; separate pools save "
+                      f"{e['separate_pools']['save_GBps_total']} GB/s; writer wait "
+                      f"{e['writer_wait_ms']} ms per put", flush=True)
+        if "medium" in curves:
+            doc["medium"] = medium_curve(args.disk_dir, seconds)
+            for m in doc["medium"]:
+                print(f"{m['medium']}: save {m['save_GBps_total']} GB/s, load "
+                      f"{m['load_GBps_total']} GB/s", flush=True)
+        if "hit_cache" in curves:
+            doc["hit_cache"] = hit_cache_memory()
+            print(f"hit cache at its default size: {doc['hit_cache']}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    _results.write(os.path.join(args.out, "scale.json"), "LMDB pool cost vs entries, "
+                   "engines per pool, medium; hit cache memory", [], cpus_note=(
+                       f"{os.cpu_count()} CPUs: processes beyond that share cores"),
+                   argv=sys.argv[1:], **doc)
+    if "entries" in doc:
+        _plot(args.out, doc)
+
+
+if __name__ == "__main__":
+    main()
