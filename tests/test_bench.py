@@ -199,6 +199,8 @@ def test_trace_selection_keeps_whole_sessions_in_time_order():
     st = tr.stats(tr.select(reqs, sessions_n=1), scale=4)
     # blocks 0,1,2 | 0,1,2,3 | 0,1,2,3,4: 12 blocks used, 5 distinct
     assert st["distinct_blocks"] == 5 and st["block_reuse"] == pytest.approx(7 / 12)
+    # each request's longest seen prefix: 0, 3 and 4 blocks (of 300, 450, 600 tokens)
+    assert st["prefix_hit_bound"] == pytest.approx((3 * 128 + 4 * 128) / 1350)
     assert st["working_set_tokens"] == 5 * 128 and st["prompt_tokens"] == (1200 + 1800 + 2400) // 4
 
 
@@ -256,7 +258,8 @@ def test_trace_capacity_sweep_report_and_token_equality(tmp_path):
     assert all("tokens" not in r for r in doc["results"].values())
     doc.update(trace={"file": "t.jsonl", "selection": {"sessions": 2}, "stats": {
         "requests": 3, "sessions": 2, "prompt_tokens": 1000, "distinct_blocks": 9,
-        "working_set_tokens": 1152, "block_reuse": 0.6}},
+        "working_set_tokens": 1152, "block_reuse": 0.6,
+        "prefix_hit_bound": 0.58}},
         setup={"scale": 4, "block_tokens": 128, "concurrency": 4, "kv_cache_bytes": 1 << 20,
                "hbm_tokens": 256, "output": "x"}, model="m", machine="x", notes=[])
     text = markdown(doc)
@@ -284,30 +287,30 @@ def test_trace_errors_are_clear(tmp_path):
 
 
 @pytest.mark.vllm
-def test_trace_replay_through_vllm_serve_restarted_on_the_pool(tiny_model_dir, tmp_path):
-    """The replay's real path, one configuration: two requests of one session
-    sent open loop through ``vllm serve`` with the pool, the server restarted
-    between them. The second request's shared blocks come from the pool
-    (vLLM's own counter says so), and its tokens equal the same request's
-    when it is sent again one at a time on that server, now an HBM hit."""
+def test_trace_replay_through_vllm_serve_hits_the_pool_after_hbm_evicts(tiny_model_dir,
+                                                                        tmp_path):
+    """The replay's real path, one server: vLLM's cache holds under 4 blocks of
+    640 tokens (2 MiB: 2,457 tokens); A (3 blocks), two unrelated 4-block
+    requests that evict A's blocks, then B, a later turn of A's session. B's shared blocks come from the pool
+    (vLLM's own counter says so: the evictions left HBM nothing of A), and
+    every request's tokens equal the same request's sent again one at a time."""
     from vllm_layerwise_patch.bench import trace as tr
     from vllm_layerwise_patch.bench.replay import ReplaySetup, run_config
 
-    reqs = tr.parse([_line(0, 1536, [0, 1, 2], out=3), _line(40, 1800, [0, 1, 2, 3], out=3)])
+    reqs = tr.parse([_line(0, 1536, [0, 1, 2], out=3), _line(1, 2000, [10, 11, 12, 13], out=3),
+                     _line(2, 2000, [20, 21, 22, 23], out=3),
+                     _line(3, 1800, [0, 1, 2, 3], out=3)])
     s = ReplaySetup(model=str(tiny_model_dir), work=tmp_path, requests=reqs, scale=1,
-                    concurrency=1, time_scale=1000.0, kv_cache_bytes=512 << 20,
-                    max_model_len=4096, max_num_batched_tokens=640)
-    r = run_config(s, "pool@64MiB", "64MiB", restart=True, exact=2)
-    assert r["requests"] == 2 and all(len(t) == 3 for t in r["tokens"])
+                    concurrency=1, kv_cache_bytes=2 << 20, max_model_len=2048,
+                    max_num_batched_tokens=640)
+    r = run_config(s, "pool@64MiB", "64MiB", exact=4)
+    assert r["requests"] == 4 and all(len(t) == 3 for t in r["tokens"])
     assert r["ttft_s"]["p99"] is not None
     by = r["prompt_tokens_by_source"]
-    assert by["external_kv_transfer"] >= 640  # B's shared 1536 tokens: whole 640-token blocks
-    assert by["local_cache_hit"] == 0  # the restart emptied vLLM's own cache
-    assert r["pool"]["hit_tokens"] == by["external_kv_transfer"]
-    again = r["exact_check"]
-    assert again["hit_tokens"]["local_cache_hit"] > 0
-    assert again["tokens"] == r["tokens"]
-
+    assert by["external_kv_transfer"] == 1280  # A's two full 640-token blocks, for B
+    assert by["local_cache_hit"] == 0
+    assert r["pool"]["hit_tokens"] == 1280
+    assert r["exact_check"]["tokens"] == r["tokens"]
 
 def test_trace_counters_sum_labelled_samples():
     from vllm_layerwise_patch.bench.replay import sample_sum

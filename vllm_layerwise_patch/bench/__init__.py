@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 from typing import Any
 
@@ -122,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)
     from .workload import SCENARIOS, Workload
 
     workload = Workload(requests=ns.requests, input_len=ns.input_len,
@@ -287,6 +289,7 @@ def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
                         f", at most {ns.output_cap}" if ns.output_cap else "")),
                     "torch_kernels": setup.torch_kernels}
     doc["notes"] = NOTES
+    doc["command"] = "python -m vllm_layerwise_patch bench " + " ".join(ns.argv)
     return doc
 
 

@@ -146,18 +146,27 @@ def output_length(r: TraceRequest, scale: int = 1, cap: int | None = None) -> in
 
 def stats(reqs: list[TraceRequest], scale: int = 1) -> dict[str, Any]:
     """What a selection holds: requests, sessions, prompt tokens (scaled),
-    distinct blocks (the working set) and the block reuse an unbounded,
-    block-granular cache would hit (a block seen before)."""
+    distinct blocks (the working set), the blocks used that an earlier request
+    used too (``block_reuse``) and ``prefix_hit_bound``: the prompt tokens an
+    unbounded prefix cache of the trace's blocks would hit (each request's
+    longest prefix of blocks seen before, its last token always computed)."""
     seen: set[int] = set()
-    hits = total = 0
+    hits = total = prefix_hits = 0
     n = block_tokens(scale)
     for r in reqs:
-        used = r.hash_ids[:-(-max(1, r.input_length // scale) // n)]
+        length = max(1, r.input_length // scale)
+        used = r.hash_ids[:-(-length // n)]
         total += len(used)
         hits += sum(h in seen for h in used)
+        k = 0
+        while k < len(used) and used[k] in seen:
+            k += 1
+        prefix_hits += min(k * n, length - 1)
         seen.update(used)
+    tokens = sum(max(1, r.input_length // scale) for r in reqs)
     return {"requests": len(reqs), "sessions": len(sessions(reqs)),
-            "prompt_tokens": sum(max(1, r.input_length // scale) for r in reqs),
+            "prompt_tokens": tokens,
             "distinct_blocks": len(seen), "working_set_tokens": len(seen) * n,
             "block_reuse": hits / total if total else 0.0,
+            "prefix_hit_bound": prefix_hits / tokens if tokens else 0.0,
             "span_s": (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1e3 if reqs else 0.0}
