@@ -291,7 +291,8 @@ def test_trace_replay_through_vllm_serve_hits_the_pool_after_hbm_evicts(tiny_mod
                                                                         tmp_path):
     """The replay's real path, one server: vLLM's cache holds under 4 blocks of
     640 tokens (2 MiB: 2,457 tokens); A (3 blocks), two unrelated 4-block
-    requests that evict A's blocks, then B, a later turn of A's session. B's shared blocks come from the pool
+    requests that evict A's blocks, then B, a later turn of A's session. B's
+    shared blocks come from the pool
     (vLLM's own counter says so: the evictions left HBM nothing of A), and
     every request's tokens equal the same request's sent again one at a time."""
     from vllm_layerwise_patch.bench import trace as tr
@@ -326,3 +327,48 @@ def test_trace_counters_sum_labelled_samples():
     assert sample_sum(text, "vllm:prompt_tokens_by_source_total") == 773.0
     assert sample_sum(text, "vllm:layerwise_pool_evictions_total") == 3.0
     assert sample_sum(text, "vllm:layerwise_pool") == 0.0  # whole names only
+
+
+def test_trace_open_loop_sends_at_the_scaled_timestamps():
+    """``--time-scale``: each request leaves at its timestamp (not after the
+    one before: the server here takes 0.3 s a request), and its TTFT counts
+    from that arrival. The server is a stdlib stand-in streaming vLLM's
+    completion chunks (``token_ids`` per chunk)."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from vllm_layerwise_patch.bench.replay import replay
+
+    arrivals = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            arrivals.append((time.perf_counter(), body["prompt"][0]))
+            assert body["stream"] and body["return_token_ids"] and body["ignore_eos"]
+            time.sleep(0.3)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for t in range(body["max_tokens"]):
+                chunk = {"choices": [{"text": "x", "token_ids": [body["prompt"][0] + t]}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        t0 = time.perf_counter()
+        out = replay(f"http://127.0.0.1:{srv.server_address[1]}", "m", [[10], [20], [30]],
+                     [2, 1, 3], timestamps_s=[0.0, 0.1, 0.2])
+    finally:
+        srv.shutdown()
+    assert [o["tokens"] for o in out] == [[10, 11], [20], [30, 31, 32]]
+    sent = {p: t - t0 for t, p in arrivals}
+    assert sent[20] == pytest.approx(0.1, abs=0.08) and sent[30] == pytest.approx(0.2, abs=0.08)
+    assert all(0.3 <= o["ttft"] < 1.0 for o in out)
