@@ -7,7 +7,10 @@ On a CPU-only machine it builds a tiny hybrid Qwen3-Next large enough that
 prefill compute dominates the emulation's per-step overhead (``--model
 tiny``, the default there) and runs Model Runner V2 under the CPU emulation;
 on a GPU machine pass ``--model PATH`` (and ``--gpu``).  ``--server`` drives
-``vllm serve`` with vLLM's own client instead (:mod:`.server`).
+``vllm serve`` with vLLM's own client instead (:mod:`.server`); ``--trace
+FILE`` replays a Mooncake-format trace through ``vllm serve`` with and without
+the pool, sweeping the pool's capacity (:mod:`.trace`, :mod:`.replay`,
+:mod:`.trace_report`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 from typing import Any
 
@@ -89,11 +93,37 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--server", action="store_true",
                     help="drive vllm serve with vLLM's own client (vllm bench serve)")
     ap.add_argument("--out", default="bench-results", help="output directory")
+    t = ap.add_argument_group("trace replay (--trace FILE, through vllm serve: bench.replay)")
+    t.add_argument("--trace", help="a Mooncake-format trace (JSON lines: timestamp, "
+                   "input_length, output_length, hash_ids)")
+    t.add_argument("--sessions", type=int, help="keep this many whole sessions (first by "
+                   "arrival; default: every request)")
+    t.add_argument("--session-blocks", type=int, default=2,
+                   help="requests sharing their first this-many hash ids form a session")
+    t.add_argument("--min-session-requests", type=int, default=2)
+    t.add_argument("--max-input-length", type=int,
+                   help="drop sessions with a longer request (trace tokens, before --scale)")
+    t.add_argument("--scale", type=int, default=1,
+                   help="divide lengths and the 512-token block by this (CPU: 4)")
+    t.add_argument("--time-scale", type=float, help="open loop: send at the trace's "
+                   "timestamps divided by this (default: closed loop at --concurrency)")
+    t.add_argument("--output-cap", type=int, help="at most this many output tokens a request")
+    t.add_argument("--capacities", default="256MiB,1GiB,4GiB",
+                   help="pool capacities to sweep (comma-separated sizes)")
+    t.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
+                   help="vLLM's KV cache (keep it below the working set)")
+    t.add_argument("--max-model-len", type=int, default=8192)
+    t.add_argument("--restart", action="store_true",
+                   help="also replay hbm and the largest pool with a restart halfway")
+    t.add_argument("--exact-check", type=int, default=0, metavar="M",
+                   help="then replay the first M requests at concurrency 1 on hbm and the "
+                        "largest pool: their tokens must be equal")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)
     from .workload import SCENARIOS, Workload
 
     workload = Workload(requests=ns.requests, input_len=ns.input_len,
@@ -107,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="vlp-bench-")
     try:
         model, description = _model(ns, work)
+        if ns.trace:
+            doc = _trace(ns, model, work)
+            doc["model"] = description
+            doc["machine"] = f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
+            _write_trace(doc, ns.out)
+            return 0
         if ns.server:
             from .server import run_server
 
@@ -148,6 +184,16 @@ def _model(ns: argparse.Namespace, work: str) -> tuple[str, str]:
     if ns.model != "tiny":
         return ns.model, ns.model
     from ..testing.tiny_model import build_tiny_qwen3_next
+
+    if ns.trace:  # 4 KV heads of 128: vLLM's hybrid block is 128 tokens (= 512 / --scale 4)
+        path = build_tiny_qwen3_next(os.path.join(work, "model"), num_layers=ns.layers,
+                                     num_full_attention_layers=max(1, ns.layers // 4),
+                                     hidden_size=ns.hidden, num_attention_heads=4,
+                                     num_key_value_heads=4, head_dim=128,
+                                     max_position_embeddings=32768)
+        return str(path), (f"tiny hybrid Qwen3-Next, {ns.layers} layers "
+                           f"({ns.layers - max(1, ns.layers // 4)} GDN), hidden {ns.hidden}, "
+                           "4 KV heads of 128")
 
     path = build_tiny_qwen3_next(os.path.join(work, "model"), num_layers=ns.layers,
                                  num_full_attention_layers=max(1, ns.layers // 4),
@@ -197,6 +243,67 @@ def _run_engines(ns: argparse.Namespace, model: str, workload: Any, scenarios: l
 
         doc["transfer"] = transfer(8, 16, 2 << 20, 5, prefetch=2, threads=2, check_crc=False)
     return doc
+
+
+def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
+    import re
+    from pathlib import Path
+
+    from . import trace as tr
+    from .replay import ReplaySetup, run_all
+    from .trace_report import NOTES
+
+    try:
+        reqs = tr.select(tr.load(ns.trace), sessions_n=ns.sessions,
+                         session_blocks=ns.session_blocks,
+                         min_session_requests=ns.min_session_requests,
+                         max_input_length=ns.max_input_length)
+        block = tr.block_tokens(ns.scale)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"bench --trace: {exc}") from None
+    if not reqs:
+        raise SystemExit("bench --trace: the selection is empty")
+    setup = ReplaySetup(model=model, work=Path(work), requests=reqs, scale=ns.scale,
+                        output_cap=ns.output_cap, concurrency=ns.concurrency,
+                        time_scale=ns.time_scale, kv_cache_bytes=ns.kv_cache_bytes,
+                        max_model_len=ns.max_model_len,
+                        max_num_batched_tokens=ns.max_num_batched_tokens,
+                        torch_kernels=not ns.gpu and ns.cpu_kernels != "triton")
+    doc = run_all(setup, [c for c in ns.capacities.split(",") if c], restart=ns.restart,
+                  exact=ns.exact_check, configs=[c for c in ns.configs.split(",") if c])
+    hbm_tokens = None
+    log = Path(work) / "hbm-part0.log"
+    if log.exists():
+        m = re.search(r"KV cache size: ([0-9,]+) tokens", log.read_text(errors="replace"))
+        hbm_tokens = int(m.group(1).replace(",", "")) if m else None
+    doc["trace"] = {"file": os.path.basename(ns.trace), "stats": tr.stats(reqs, ns.scale),
+                    "selection": {"sessions": ns.sessions, "session_blocks": ns.session_blocks,
+                                  "min_session_requests": ns.min_session_requests,
+                                  "max_input_length": ns.max_input_length},
+                    "lines": [r.line for r in reqs]}
+    doc["setup"] = {"scale": ns.scale, "block_tokens": block, "concurrency": ns.concurrency,
+                    "time_scale": ns.time_scale, "kv_cache_bytes": ns.kv_cache_bytes,
+                    "hbm_tokens": hbm_tokens, "max_num_batched_tokens":
+                    ns.max_num_batched_tokens, "capacities": ns.capacities,
+                    "output": (f"output_length / {ns.scale}" + (
+                        f", at most {ns.output_cap}" if ns.output_cap else "")),
+                    "torch_kernels": setup.torch_kernels}
+    doc["notes"] = NOTES
+    doc["command"] = "python -m vllm_layerwise_patch bench " + " ".join(ns.argv)
+    return doc
+
+
+def _write_trace(doc: dict[str, Any], out: str) -> None:
+    from .trace_report import markdown, plot
+
+    with open(os.path.join(out, "trace.json"), "w") as f:
+        json.dump(doc, f, indent=2)
+    summary = markdown(doc)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(summary)
+    made = plot(doc, out)
+    print(summary)
+    print(f"\nwrote {out}/trace.json, {out}/summary.md" + "".join(f", {p}" for p in made))
 
 
 def _write(doc: dict[str, Any], out: str) -> None:
