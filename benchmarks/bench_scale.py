@@ -86,51 +86,84 @@ def _timed(fn, n: int) -> list[float]:
 
 
 # -- entries ----------------------------------------------------------------------
-def entries_point(n: int, tmp: str, reps: int) -> dict:
-    path = os.path.join(tmp, f"n{n}")
-    cap = max(64 << 20, n * 2200)
-    be = LmdbBackend(path, cap, pin_seconds=0)
-    page, marker = pack(NS, os.urandom(TINY)), pack(NS, b"")
-    t0 = time.perf_counter()
-    for start in range(0, n, 2000):  # steps of 2000 blocks, as engines save them
-        be.put_many([kv for i in range(start, min(n, start + 2000))
-                     for kv in _block(_hash(i), page, marker)])
-    fill_s = time.perf_counter() - t0
-    rng = __import__("random").Random(n)
-    hits = [[_hash(rng.randrange(n)) for _ in range(HIT)] for _ in range(reps)]
-    out = {"blocks": n, "groups": be.stats()["groups"], "entries": be.stats()["entries"],
-           "fill_s": round(fill_s, 2)}
-    for label, ttl in (("lookup_cold", 0.0), ("lookup_warm", 30.0)):
-        sched = _scheduler(be, TINY, ttl)
+class _Point:
+    """One pre-filled pool of the entries curve."""
 
-        def lookup(i: int, sched=sched) -> None:
-            req = types.SimpleNamespace(block_hashes=hits[i % len(hits) if ttl == 0 else 0],
-                                        num_tokens=HIT * BLOCK + 1, request_id=f"r{i}",
-                                        all_token_ids=[])
-            hit, _ = sched.get_num_new_matched_tokens(req, 0)
-            assert hit == HIT * BLOCK, hit
-            sched.request_finished(req)
-        for i in range(20):  # warm-up (imports, first touches; the cache when it is on)
-            lookup(i)
-        out[label] = _stats(_timed(lookup, reps))
-    fresh = [_hash(n + i) for i in range(reps)]
-    out["save_block"] = _stats(_timed(lambda i: be.put_many(_block(fresh[i], page, marker)),
-                                      reps))
-    # one eviction round as a full pool of this many entries runs it: a
-    # tenth (the default evict_fraction) of what the pool holds
-    used = be.stats()["used_bytes"]
-    be.evict_fraction = 0.1 * used / be.map_size
-    t0 = time.perf_counter()
-    freed = be._evict(1)
-    ms = (time.perf_counter() - t0) * 1e3
-    out["evict_round"] = {"ms": round(ms, 1), "groups_dropped": be.evicted_groups,
-                          "bytes_freed": freed,
-                          "us_per_group": round(ms * 1e3 / max(1, be.evicted_groups), 2)}
-    be.close()
-    out["open"] = _stats(_timed(lambda i: LmdbBackend(path, cap, pin_seconds=0).close(),
-                                max(5, reps // 10)))
-    shutil.rmtree(path, ignore_errors=True)
-    return out
+    def __init__(self, n: int, tmp: str, reps: int) -> None:
+        self.n, self.path = n, os.path.join(tmp, f"n{n}")
+        self.cap = (64 << 20) + n * 3200  # about 2.5 KB per block of tiny pages: no eviction
+        self.be = LmdbBackend(self.path, self.cap, pin_seconds=0)
+        self.page, self.marker = pack(NS, os.urandom(TINY)), pack(NS, b"")
+        t0 = time.perf_counter()
+        for start in range(0, n, 2000):  # steps of 2000 blocks, as engines save them
+            self.be.put_many([kv for i in range(start, min(n, start + 2000))
+                              for kv in _block(_hash(i), self.page, self.marker)])
+        st = self.be.stats()
+        self.out = {"blocks": n, "groups": st["groups"], "entries": st["entries"],
+                    "fill_s": round(time.perf_counter() - t0, 2)}
+        rng = __import__("random").Random(n)
+        self.hits = [[_hash(rng.randrange(n)) for _ in range(HIT)] for _ in range(reps)]
+        self.scheds = {"lookup_cold": _scheduler(self.be, TINY, 0.0),
+                       "lookup_warm": _scheduler(self.be, TINY, 30.0)}
+
+    def lookup(self, label: str, i: int) -> None:
+        req = types.SimpleNamespace(
+            block_hashes=self.hits[i % len(self.hits)] if label == "lookup_cold" else self.hits[0],
+            num_tokens=HIT * BLOCK + 1, request_id=f"r{i}", all_token_ids=[])
+        hit, _ = self.scheds[label].get_num_new_matched_tokens(req, 0)
+        assert hit == HIT * BLOCK, hit
+        self.scheds[label].request_finished(req)
+
+    def save(self, i: int) -> None:
+        self.be.put_many(_block(_hash(self.n + i), self.page, self.marker))
+
+    def open_once(self, i: int) -> None:
+        LmdbBackend(self.path, self.cap, pin_seconds=0).close()
+
+    def evict_round(self) -> None:
+        # one round as a full pool of this many entries runs it: a tenth
+        # (the default evict_fraction) of what the pool holds
+        be = self.be
+        be.evict_fraction = 0.1 * be.stats()["used_bytes"] / be.map_size
+        t0 = time.perf_counter()
+        freed = be._evict(1)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.out["evict_round"] = {"ms": round(ms, 1), "groups_dropped": be.evicted_groups,
+                                   "bytes_freed": freed,
+                                   "us_per_group": round(ms * 1e3 / max(1, be.evicted_groups),
+                                                         2)}
+
+
+def entries_curve(sizes: tuple[int, ...], tmp: str, reps: int) -> list[dict]:
+    """Every pool filled first, then each operation timed on the pools in
+    turn (round robin), so the machine's noise falls on every size alike."""
+    points = []
+    for n in sizes:
+        points.append(_Point(n, tmp, reps))
+        print(f"filled {n:,} blocks in {points[-1].out['fill_s']} s", flush=True)
+    ops = [("lookup_cold", lambda p, i: p.lookup("lookup_cold", i), reps),
+           ("lookup_warm", lambda p, i: p.lookup("lookup_warm", i), reps),
+           ("save_block", lambda p, i: p.save(i), reps),
+           ("close", None, 0),  # (LMDB opens an environment once per process)
+           ("open", lambda p, i: p.open_once(i), max(5, reps // 10))]
+    for label, op, count in ops:
+        if op is None:
+            for p in points:
+                p.evict_round()
+                p.be.close()
+            continue
+        times: dict[int, list[float]] = {p.n: [] for p in points}
+        for i in range(-20, count):  # 20 warm-up rounds (first touches; the warm cache)
+            for p in points:
+                t0 = time.perf_counter()
+                op(p, i)
+                if i >= 0:
+                    times[p.n].append(time.perf_counter() - t0)
+        for p in points:
+            p.out[label] = _stats(times[p.n])
+    for p in points:
+        shutil.rmtree(p.path, ignore_errors=True)
+    return [p.out for p in points]
 
 
 # -- engines and medium ---------------------------------------------------------------
@@ -259,6 +292,48 @@ def _plot(out_dir: str, doc: dict) -> None:
         fig.savefig(os.path.join(out_dir, "engines.png"))
 
 
+def _summary(out_dir: str, doc: dict) -> None:
+    """summary.md: the tables a reader wants, from the JSON."""
+    lines = ["# How the LMDB pool's cost grows (benchmarks/bench_scale.py)", "",
+             f"One run on {os.cpu_count()} CPUs (other work on the machine: read medians; "
+             "p99s carry its noise).", ""]
+    if doc.get("entries"):
+        lines += ["## Entries", "", "| blocks (2 groups, 6 entries each) | lookup cold median / "
+                  "p99 (µs) | lookup warm | save of a block | open | eviction round "
+                  "(a tenth of the pool) |", "|---|---|---|---|---|---|"]
+        for p in doc["entries"]:
+            e = p["evict_round"]
+            lines.append(
+                f"| {p['blocks']:,} | " + " | ".join(
+                    f"{p[op]['median_us']:.0f} / {p[op]['p99_us']:.0f}"
+                    for op in ("lookup_cold", "lookup_warm", "save_block", "open"))
+                + f" | {e['ms']:.0f} ms, {e['groups_dropped']:,} groups "
+                  f"({e['us_per_group']} µs each) |")
+        lines.append("")
+    if doc.get("engines"):
+        lines += ["## Engines per pool (160 KiB pages; each process saves 4 blocks, then "
+                  "reads them back, in a loop)", "",
+                  "| processes | one pool: GB/s saved (= read) | separate pools | slowest "
+                  "process, one pool | writer wait per put |", "|---|---|---|---|---|"]
+        for e in doc["engines"]:
+            lines.append(f"| {e['processes']} | {e['one_pool']['save_GBps_total']} | "
+                         f"{e['separate_pools']['save_GBps_total']} | "
+                         f"{e['one_pool']['save_GBps_per_process']} | "
+                         f"{e['writer_wait_ms']} ms |")
+        lines.append("")
+    if doc.get("medium"):
+        lines += ["## Medium", "", "| pool directory | GB/s saved (= read) |", "|---|---|"]
+        lines += [f"| {m['medium']} | {m['save_GBps_total']} |" for m in doc["medium"]]
+        lines.append("")
+    if doc.get("hit_cache"):
+        h = doc["hit_cache"]
+        lines += ["## Hit cache", "", f"At its default size ({h['hit_cache_size']:,} answers "
+                  f"and as many verifications kept): {h['heap_MB']} MB of Python heap "
+                  f"({h['bytes_per_entry']} bytes each).", ""]
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "scale"))
@@ -273,18 +348,21 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="vlp-bench-scale-", dir="/dev/shm")
     try:
         if "entries" in curves:
-            doc["entries"] = []
-            for n in sizes:
-                doc["entries"].append(entries_point(n, tmp, 200 if args.quick else 1000))
-                p = doc["entries"][-1]
-                print(f"{n:>8} blocks: fill {p['fill_s']} s, lookup cold p99 "
-                      f"{p['lookup_cold']['p99_us']} us, warm p99 {p['lookup_warm']['p99_us']}"
-                      f" us, save p99 {p['save_block']['p99_us']} us, evict "
+            doc["entries"] = entries_curve(sizes, tmp, 200 if args.quick else 1000)
+            for p in doc["entries"]:
+                print(f"{p['blocks']:>8} blocks: lookup cold median/p99 "
+                      f"{p['lookup_cold']['median_us']}/{p['lookup_cold']['p99_us']} us, warm "
+                      f"{p['lookup_warm']['median_us']}/{p['lookup_warm']['p99_us']} us, save "
+                      f"{p['save_block']['median_us']}/{p['save_block']['p99_us']} us, evict "
                       f"{p['evict_round']['ms']} ms ({p['evict_round']['groups_dropped']} "
-                      f"groups), open p99 {p['open']['p99_us']} us", flush=True)
+                      f"groups), open {p['open']['median_us']}/{p['open']['p99_us']} us",
+                      flush=True)
             first, last = doc["entries"][0], doc["entries"][-1]
-            doc["lookup_cold_p99_ratio_largest_to_smallest"] = round(
-                last["lookup_cold"]["p99_us"] / first["lookup_cold"]["p99_us"], 2)
+            doc["ratios_largest_to_smallest"] = {
+                f"{op}_{q}": round(last[op][f"{q}_us"] / first[op][f"{q}_us"], 2)
+                for op in ("lookup_cold", "lookup_warm", "save_block", "open")
+                for q in ("median", "p99")}
+            print("largest / smallest pool:", doc["ratios_largest_to_smallest"])
         if "engines" in curves:
             doc["engines"] = engines_curve(tmp, seconds)
             for e in doc["engines"]:
@@ -310,6 +388,7 @@ def main() -> None:
                    argv=sys.argv[1:], **doc)
     if "entries" in doc:
         _plot(args.out, doc)
+    _summary(args.out, doc)
 
 
 if __name__ == "__main__":

@@ -70,10 +70,12 @@ class LmdbEviction:
         return max(freed, 1)
 
     EVICT_CHUNK = 32 << 20  # bytes freed per eviction transaction, at most
+    EVICT_CHUNK_GROUPS = 4096  # and groups (other engines' writes wait for each chunk)
 
     def _evict_chunk(self, budget: int) -> tuple[int, int]:
         """One write transaction dropping the oldest unpinned groups, until
-        ``budget`` bytes (at least one group): (bytes freed, groups)."""
+        ``budget`` bytes or ``EVICT_CHUNK_GROUPS`` groups (at least one
+        group): (bytes freed, groups)."""
         now_t = _T.pack(time.time())
         freed = 0
         with self._txn(write=True) as txn:
@@ -85,7 +87,7 @@ class LmdbEviction:
                     continue  # a pending load reads it
                 victims.append(group)
                 freed += _GROUP.unpack(txn.get(group, db=self.groups))[1]
-                if freed >= budget:
+                if freed >= budget or len(victims) >= self.EVICT_CHUNK_GROUPS:
                     break
             for group in victims:
                 self._drop(txn, group)
