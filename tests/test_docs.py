@@ -156,3 +156,13 @@ def test_configuration_reference_check_fails_on_a_field_not_rendered():
         replica_num: int = Field(default=1, ge=1, le=16, description="copies per entry")
 
     assert reference(PoolConfig, Reworded) != page
+
+
+def test_readme_is_a_landing_page_and_the_index_lists_every_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 200, "README is the landing page: move detail to docs/"
+    index = _prose((ROOT / "docs" / "README.md").read_text())
+    linked = {t.partition("#")[0] for t in _LINK.findall(index)}
+    pages = {p.name for p in PAGES if p.parent.name == "docs" and p.name != "README.md"}
+    assert pages - linked == set(), "docs/README.md does not list these pages"
+    assert pages <= {t.partition("#")[0].removeprefix("docs/") for t in _LINK.findall(_prose(readme))}
