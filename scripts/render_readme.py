@@ -1,8 +1,10 @@
-"""Rewrite README.md's tables from the code: the patch table (patch modules),
-the compatibility table (declarations), the environment variables (envvars),
-the pool configuration table (PoolConfig's fields) and the pool's metrics
-(pool.prom).  tests/test_readme.py
-fails when one is stale."""
+"""Rewrite the tables of README.md and docs/ from the code: the
+compatibility table (declarations) in README.md, the patch table (patch
+modules) in docs/patches.md, the environment variables (envvars) and the
+configuration reference (PoolConfig's and MooncakeConfig's fields) in
+docs/configuration.md, the pool's metrics (pool.prom) in
+docs/operations.md.  tests/test_readme.py fails when one is stale;
+``--check`` exits 1 then."""
 
 from __future__ import annotations
 
@@ -87,26 +89,49 @@ def _between(text: str, begin: str, end: str, body: str) -> str:
     return f"{head}{begin}\n{body}{end}{tail}"
 
 
-def rendered(readme: str) -> str:
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tables() -> dict[str, list[tuple[str, str, object]]]:
+    """file (relative to the repository) -> its (begin, end, renderer)s."""
     from vllm_layerwise_patch.envvars import markdown_table
     from vllm_layerwise_patch.listing import render_markdown
     from vllm_layerwise_patch.pool.config import PoolConfig
     from vllm_layerwise_patch.pool.prom import markdown_table as metrics_table
 
-    text = _between(readme, BEGIN, END, render_markdown())
-    text = _between(text, CBEGIN, CEND, compat_table())
-    text = _between(text, EBEGIN, EEND, markdown_table())
-    text = _between(text, MBEGIN, MEND, metrics_table())
-    return _between(text, PBEGIN, PEND, PoolConfig.markdown_table())
+    return {"README.md": [(CBEGIN, CEND, compat_table)],
+            "docs/patches.md": [(BEGIN, END, render_markdown)],
+            "docs/configuration.md": [(EBEGIN, EEND, markdown_table),
+                                      (PBEGIN, PEND, PoolConfig.markdown_table)],
+            "docs/operations.md": [(MBEGIN, MEND, metrics_table)]}
+
+
+def rendered(name: str, text: str) -> str:
+    """``text`` (the file ``name``) with its tables rendered from the code."""
+    for begin, end, render in _tables()[name]:
+        text = _between(text, begin, end, render())
+    return text
+
+
+def stale() -> list[str]:
+    """The files whose tables differ from the code."""
+    return [name for name in _tables()
+            if rendered(name, (ROOT / name).read_text()) != (ROOT / name).read_text()]
 
 
 def main() -> int:
-    path = Path(__file__).resolve().parent.parent / "README.md"
-    text = path.read_text()
-    new = rendered(text)
     if "--check" in sys.argv:
-        return 0 if new == text else 1
-    path.write_text(new)
+        bad = stale()
+        for name in bad:
+            print(f"stale: {name} (run: python scripts/render_readme.py)")
+        return 1 if bad else 0
+    for name in _tables():
+        path = ROOT / name
+        text = path.read_text()
+        new = rendered(name, text)
+        if new != text:
+            path.write_text(new)
+            print(f"rendered {name}")
     return 0
 
 

@@ -1,5 +1,7 @@
-"""README stays true to the code: the rendered tables, the compatibility
-table against doctor, and the two commands."""
+"""README and docs/ stay true to the code: the rendered tables (README's
+compatibility table, docs/patches.md, docs/configuration.md,
+docs/operations.md), the compatibility table against doctor, and README's
+two commands."""
 
 from __future__ import annotations
 
@@ -13,10 +15,23 @@ from conftest import clean_env, run_py
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_patch_table_matches_patch_modules():
+def test_rendered_tables_match_the_code():
     mod = runpy.run_path(str(ROOT / "scripts" / "render_readme.py"))
-    text = (ROOT / "README.md").read_text()
-    assert mod["rendered"](text) == text, "run: python scripts/render_readme.py"
+    files = mod["_tables"]()
+    assert set(files) == {"README.md", "docs/patches.md", "docs/configuration.md",
+                          "docs/operations.md"}
+    for name in files:
+        text = (ROOT / name).read_text()
+        assert mod["rendered"](name, text) == text, f"{name}: run python scripts/render_readme.py"
+    assert mod["stale"]() == []
+
+
+def test_a_stale_table_is_caught():
+    """Negative control: a row removed from a rendered table is put back."""
+    mod = runpy.run_path(str(ROOT / "scripts" / "render_readme.py"))
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    cut = text.replace("| `load_threads` |", "| `load_threadz` |", 1)
+    assert cut != text and mod["rendered"]("docs/configuration.md", cut) == text
 
 
 def test_ci_runs_the_readme_test_command():

@@ -107,7 +107,7 @@ def _spell(values: tuple[str, ...]) -> str:
 
 
 def markdown_table() -> str:
-    """README's configuration reference, from the spellings above."""
+    """docs/configuration.md's table of the variables, from the spellings above."""
     rows = [
         (ENV, f"unset / {_spell(FALSE_VALUES)}", "off (default)"),
         ("", _spell(ALL_VALUES), "every default-enabled patch"),
@@ -119,7 +119,7 @@ def markdown_table() -> str:
          "each process writes `<pid>.json` with its patch status (for tests and operators)"),
         (CPU_V2_ENV, f"{_spell(TRUE_VALUES)} (unset / {_spell(FALSE_VALUES)}: off)",
          "install the CPU Model Runner V2 emulation in every process (tests and the demo "
-         "only; see below)"),
+         "only; see [the CPU harness](cpu-harness.md))"),
         (CPU_ASYNC_SCHEDULING_ENV, f"unset / {_spell(TRUE_VALUES)} (default: on) / "
          f"{_spell(FALSE_VALUES)}",
          f"with `{CPU_V2_ENV}`: vLLM schedules asynchronously as on a GPU (step N+1 planned "

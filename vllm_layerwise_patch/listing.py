@@ -1,5 +1,5 @@
 """``python -m vllm_layerwise_patch list``: each patch's documentation fields,
-rendered from the patch modules' docstrings (also README's patch table).
+rendered from the patch modules' docstrings (also the patch table of docs/patches.md).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def render_markdown() -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    ap.add_argument("--markdown", action="store_true", help="README's table")
+    ap.add_argument("--markdown", action="store_true", help="the patch table of docs/patches.md")
     return ap
 
 

@@ -10,7 +10,6 @@ bytes, ``"4GB"`` is 4 000 000 000.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -73,7 +72,11 @@ def _metadata_server(v: Any) -> str:
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
-SizeOrZero = Annotated[int, BeforeValidator(lambda v: 0 if v in (0, "0") else parse_size(v))]
+def _size_or_zero(v: Any) -> int:
+    return 0 if v in (0, "0") else parse_size(v)
+
+
+SizeOrZero = Annotated[int, BeforeValidator(_size_or_zero)]
 Number = Annotated[float, BeforeValidator(_number)]
 Address = Annotated[str, BeforeValidator(_address)]
 
@@ -127,7 +130,7 @@ class MooncakeConfig(BaseModel):
 
 
 class PoolConfig(BaseModel):
-    """The pool connector's settings (README: "kv_connector_extra_config")."""
+    """The pool connector's settings (docs/configuration.md: "kv_connector_extra_config")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -226,28 +229,10 @@ class PoolConfig(BaseModel):
 
     @classmethod
     def markdown_table(cls) -> str:
-        """The README's tables of fields (scripts/render_readme.py)."""
-        return (_table(cls, "kv_connector_extra_config") + "\n"
-                + _table(MooncakeConfig, "kv_connector_extra_config.mooncake"))
+        """docs/configuration.md's tables of fields (scripts/render_readme.py)."""
+        from vllm_layerwise_patch.pool.config_doc import reference
 
-
-_SIZE_DEFAULTS = {"capacity": "`4GiB`", "global_segment_size": "`4GiB`",
-                  "local_buffer_size": "`256MiB`"}
-
-
-def _table(model: type[BaseModel], prefix: str) -> str:
-    rows = [f"| `{prefix}` field | default | meaning |", "|---|---|---|"]
-    for name, f in model.model_fields.items():
-        if name == "path":
-            default = "per user"
-        elif name in _SIZE_DEFAULTS:
-            default = _SIZE_DEFAULTS[name]
-        elif f.default_factory is not None:
-            default = "see below"
-        else:
-            default = "unset" if f.default is None else f"`{json.dumps(f.default)}`"
-        rows.append(f"| `{name}` | {default} | {f.description} |")
-    return "\n".join(rows) + "\n"
+        return reference(cls, MooncakeConfig)
 
 
 def _describe(exc: ValidationError) -> str:

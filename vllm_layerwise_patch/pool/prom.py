@@ -5,7 +5,7 @@ server, labelled like vLLM's own metrics (``model_name``, ``engine``), fed
 with the connector's stats payloads (``.stats``: counters summed, per-step
 samples for histograms, the pool's fill as gauges).
 
-:data:`METRICS` is the one list: the README's table and the Grafana
+:data:`METRICS` is the one list: docs/operations.md's table and the Grafana
 dashboard's names come from it.
 """
 
@@ -127,7 +127,7 @@ class PoolPromMetrics(KVConnectorPromMetrics):
 
 
 def markdown_table() -> str:
-    """The README's table of the metrics (scripts/render_readme.py)."""
+    """docs/operations.md's table of the metrics (scripts/render_readme.py)."""
     lines = ["| metric | type | meaning |", "|---|---|---|"]
     lines += [f"| `{m.exposed}` | {m.kind} | {m.doc} |" for m in METRICS]
     return "\n".join(lines) + "\n"
