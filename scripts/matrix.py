@@ -243,10 +243,11 @@ def print_report(report: dict) -> None:
 
 
 #: the patches the pool's end-to-end tests run through (tiny Qwen3-Next: GDN
-#: and attention layers, Model Runner V2, a failed load); KDA layers,
-#: MultiConnector and the opt-in kernel are not among them
+#: and attention layers, Model Runner V2, a failed load, the weights digest
+#: during loading); KDA layers, MultiConnector and the opt-in kernel are not
+#: among them
 E2E_EXERCISED = frozenset({"hybrid-block-size", "deferred-mamba-precopy", "gdn-layer-hooks",
-                           "hybrid-load-recompute"})
+                           "hybrid-load-recompute", "weights-digest-during-load"})
 
 
 def evidence(pid: str, row: dict, level: str) -> str:

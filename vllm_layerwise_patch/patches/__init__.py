@@ -21,6 +21,7 @@ PATCH_MODULES = (
     "bytewise_precopy_kernel",
     "multi_connector_layer_copy",
     "hybrid_load_recompute",
+    "weights_digest_during_load",
 )
 
 

@@ -18,7 +18,13 @@ change comes with a new path or ``namespace_salt``.
 is read.
 
 The digest runs on a thread (:func:`start`), so the connector opens its
-backend meanwhile; whoever needs the namespace joins it.
+backend meanwhile; whoever needs the namespace joins it.  vLLM builds the
+connector only after the model is loaded, so the ``weights-digest-during-load``
+patch starts the same digest when loading begins (:mod:`.weights_preload`):
+the connector's own job then queues behind it on the one digest thread and
+finds every file's digest in this process's memo (another process: in the
+digest cache, or waits on the file's lock).  Each run is noted in
+:data:`TRACE` (who started it, when, what it read).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import hashlib
 import logging
 import os
 import struct
+import threading
+import time
 from typing import Any
 
 from .digests import DigestStats, digest_files
@@ -106,8 +114,8 @@ def _sampled(files: list[str]) -> dict[str, Any]:
     return {"rule": "sampled", "resolved": True, "files": len(files), "digest": h.hexdigest()}
 
 
-def _content(files: list[str], where: str) -> dict[str, Any]:
-    stats = DigestStats()
+def _content(files: list[str], where: str, stats: DigestStats | None = None) -> dict[str, Any]:
+    stats = DigestStats() if stats is None else stats
     digests = digest_files(files, stats)
     logger.info("vllm-layerwise-patch pool: weights identity by content: %s", stats.summary())
     base = where if os.path.isdir(where) else os.path.dirname(where)
@@ -118,27 +126,75 @@ def _content(files: list[str], where: str) -> dict[str, Any]:
 
 def weights_identity(model: str, revision: str | None = None, *, rule: str = "content",
                      download_dir: str | None = None,
-                     load_format: str | None = None) -> dict[str, Any]:
-    """The weights behind ``model`` by ``rule`` (see the module)."""
+                     load_format: str | None = None,
+                     stats: DigestStats | None = None) -> dict[str, Any]:
+    """The weights behind ``model`` by ``rule`` (see the module); ``stats``
+    (content rule) receives what the digest read."""
     if str(load_format) == "dummy":
         return {"rule": "dummy", "resolved": True}
     where = resolve_model_dir(model, revision, download_dir)
     if where is None:
         return {"resolved": False, "model": model, "revision": revision}
     files = weight_files(where, load_format)
-    return _content(files, where) if rule == "content" else _sampled(files)
+    return _content(files, where, stats) if rule == "content" else _sampled(files)
 
 
 _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vlp-weights-digest")
 
+#: One entry per identity computed in this process (the newest 64): ``origin``
+#: ("load": started by the weights-digest-during-load patch; "connector"),
+#: ``submitted``/``start``/``end`` (``time.monotonic``), ``rule``,
+#: ``bytes_read``, ``bytes_total``, ``hashed``, ``cached``, ``named``,
+#: ``error``.  The patch adds ``{"event": "load", "start", "end"}`` entries.
+TRACE: list[dict[str, Any]] = []
+_trace_lock = threading.Lock()
+
+
+def note(entry: dict[str, Any]) -> dict[str, Any]:
+    """Add ``entry`` to :data:`TRACE` (and return it, to be completed)."""
+    with _trace_lock:
+        TRACE.append(entry)
+        del TRACE[:-64]
+    return entry
+
+
+def identity_args(vllm_config: Any, rule: str) -> tuple[tuple, dict[str, Any]]:
+    """The :func:`weights_identity` arguments for ``vllm_config``'s model."""
+    mc, load = vllm_config.model_config, getattr(vllm_config, "load_config", None)
+    return ((str(mc.model), getattr(mc, "revision", None)),
+            {"rule": rule, "download_dir": getattr(load, "download_dir", None),
+             "load_format": str(getattr(load, "load_format", None))})
+
+
+def _run(entry: dict[str, Any], args: tuple, kw: dict[str, Any]) -> dict[str, Any]:
+    stats = DigestStats()
+    entry["start"] = time.monotonic()
+    try:
+        # (looked up when it runs, so tests can stand in for weights_identity)
+        return globals()["weights_identity"](*args, stats=stats, **kw)
+    except BaseException as exc:
+        entry["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        entry.update(end=time.monotonic(), bytes_read=stats.bytes_read,
+                     bytes_total=stats.bytes_total, hashed=stats.hashed,
+                     cached=stats.cached, named=stats.named)
+
+
+def submit(vllm_config: Any, rule: str,
+           origin: str = "connector") -> tuple[concurrent.futures.Future, dict[str, Any]]:
+    """The weights identity of ``vllm_config``'s model, computed on the digest
+    thread after any digest already queued there, and its :data:`TRACE`
+    entry."""
+    args, kw = identity_args(vllm_config, rule)
+    entry = note({"event": "digest", "origin": origin, "rule": rule,
+                  "submitted": time.monotonic(), "error": None})
+    return _pool.submit(_run, entry, args, kw), entry
+
 
 def start(vllm_config: Any, rule: str) -> concurrent.futures.Future:
-    """The weights identity of ``vllm_config``'s model, computed on a thread
-    (digests are kept per file version: the second connector side of an
-    in-process engine reads nothing)."""
-    mc, load = vllm_config.model_config, getattr(vllm_config, "load_config", None)
-    args = (str(mc.model), getattr(mc, "revision", None))
-    kw = {"rule": rule, "download_dir": getattr(load, "download_dir", None),
-          "load_format": str(getattr(load, "load_format", None))}
-    # (looked up when it runs, so tests can stand in for weights_identity)
-    return _pool.submit(lambda: globals()["weights_identity"](*args, **kw))
+    """The weights identity of ``vllm_config``'s model (:func:`submit`).
+    Digests are kept per file version: a job behind one for the same files
+    (started with loading), or the second connector side of an in-process
+    engine, reads nothing."""
+    return submit(vllm_config, rule)[0]

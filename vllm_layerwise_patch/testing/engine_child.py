@@ -208,7 +208,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         llm.llm_engine.do_log_stats()  # flush vLLM's stats log (KV Transfer metrics)
     except Exception:  # noqa: BLE001
         pass
-    return {"out": out, "phase_seconds": seconds, "error": None}
+    return engine_controls.report(spec, {"out": out, "phase_seconds": seconds, "error": None})
 
 
 if __name__ == "__main__":

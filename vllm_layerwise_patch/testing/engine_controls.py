@@ -23,3 +23,37 @@ def apply(spec: dict[str, Any]) -> None:
         from vllm_layerwise_patch.pool import paths
 
         paths.default_path = lambda: spec["default_pool_path"]
+    if spec.get("weights_trace"):  # when vLLM reads the weights files
+        observe_weight_reading()
+
+
+def observe_weight_reading() -> None:
+    """Note each ``DefaultModelLoader.load_weights`` call (where vLLM reads
+    the weights files) in the pool's digest trace as ``{"event":
+    "read-weights", "start", "end"}`` - an observer of the test harness,
+    independent of the overlay's patches."""
+    import time
+
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from vllm_layerwise_patch.pool import weights
+
+    original = DefaultModelLoader.load_weights
+
+    def load_weights(self, *args, **kwargs):
+        entry = weights.note({"event": "read-weights", "start": time.monotonic(), "end": None})
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            entry["end"] = time.monotonic()
+
+    DefaultModelLoader.load_weights = load_weights
+
+
+def report(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """``res`` with what the spec asked to see of the child."""
+    if spec.get("weights_trace"):
+        from vllm_layerwise_patch.pool import weights
+
+        res["weights_trace"] = list(weights.TRACE)
+    return res
