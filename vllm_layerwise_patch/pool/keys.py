@@ -43,6 +43,7 @@ FORMAT = (KEY_VERSION, VALUE_VERSION)
 ATTN, STATE = "attn", "state"
 KINDS = (ATTN, STATE)
 COMMIT = "commit"
+_COMMIT = COMMIT.encode()
 
 _LAYER = re.compile(r"^(.*?)layers\.(\d+)\.")
 
@@ -104,6 +105,12 @@ def draft_page_key(ns: bytes, block_hash: Any, tp: int, layer: str, token: int |
 
 def draft_marker_key(ns: bytes, block_hash: Any, tp: int, token: int | str) -> bytes:
     return marker_key(ns, ATTN, block_hash, tp) + f"@{token}".encode()
+
+
+def is_marker(key: bytes) -> bool:
+    """A commit marker: ``.../commit`` or a drafter's ``.../commit@<t>``."""
+    last = bytes(key).rpartition(b"/")[2]
+    return last == _COMMIT or last.startswith(_COMMIT + b"@")
 
 
 def group_of(key: bytes) -> bytes:

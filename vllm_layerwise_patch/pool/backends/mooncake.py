@@ -54,10 +54,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..config import PREFIX, PoolConfigError
+from ..keys import is_marker
 from ..logs import LogOnce
 from .base import HEADER_SIZE, Backend, BackendError, PoolFull
 from .mooncake_conn import MooncakeConnection
-from .mooncake_io import (MARKER, MISSING, NO_SPACE, TOO_SMALL, UNREACHABLE,
+from .mooncake_io import (MISSING, NO_SPACE, TOO_SMALL, UNREACHABLE,
                           BackendUnavailable, Registered, describe)
 
 logger = logging.getLogger("vllm.layerwise_patch")
@@ -228,12 +229,13 @@ class MooncakeBackend(MooncakeConnection, Backend):
                     raise BackendError(f"Mooncake put of {key!r}: {describe(rc)}")
 
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Pages first; commit markers only once every page is stored."""
+        """Pages first; commit markers (a drafter's ``commit@<t>`` too) only
+        once every page is stored."""
         if not items:
             return
         store = self._ready()
-        pages = [(k, v) for k, v in items if not k.endswith(MARKER)]
-        markers = [(k, v) for k, v in items if k.endswith(MARKER)]
+        pages = [(k, v) for k, v in items if not is_marker(k)]
+        markers = [(k, v) for k, v in items if is_marker(k)]
         self._upsert(store, pages)
         self._upsert(store, markers)
 

@@ -11,7 +11,6 @@ import queue
 import threading
 from typing import Any
 
-from ..keys import COMMIT
 from .base import VALUE_OFFSET, BackendError
 
 #: Mooncake Store error codes (mooncake-store types.h) and what they mean here
@@ -24,7 +23,6 @@ CODES = {
     -900: "master unreachable (RPC_FAIL)",
 }
 MISSING, TOO_SMALL, NO_SPACE, UNREACHABLE = -704, -600, -200, -900
-MARKER = ("/" + COMMIT).encode()
 
 
 class BackendUnavailable(BackendError):
