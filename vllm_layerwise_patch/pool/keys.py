@@ -33,8 +33,10 @@ from typing import Any
 
 from .backends.base import VERSION as VALUE_VERSION
 
-#: the key layout's version
-KEY_VERSION = 4
+#: the key layout's version (5: Mooncake keeps a block's pages of one kind on
+#: one rank as one object, :mod:`.backends.mooncake_objects`; entries of 4
+#: are under other namespaces and never read)
+KEY_VERSION = 5
 #: part of every namespace (:mod:`.identity`): builds that disagree on the
 #: keys or on the value header never share entries, so never delete each
 #: other's groups (header version 3 once came under key format 3, the same

@@ -58,6 +58,7 @@ from ..keys import is_marker
 from ..logs import LogOnce
 from .base import HEADER_SIZE, Backend, BackendError, PoolFull
 from .mooncake_conn import MooncakeConnection
+from .mooncake_objects import BlockObjects
 from .mooncake_io import (MISSING, NO_SPACE, TOO_SMALL, UNREACHABLE,
                           BackendUnavailable, Registered, describe)
 
@@ -81,7 +82,7 @@ def open_shared(cfg: Any, *, on_unavailable: str, segment: bool) -> MooncakeBack
     return backend
 
 
-class MooncakeBackend(MooncakeConnection, Backend):
+class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
     def __init__(self, cfg: Any, *, on_unavailable: str = "recompute") -> None:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", cfg.local_hostname)
         if cfg.protocol == "tcp":
@@ -92,6 +93,7 @@ class MooncakeBackend(MooncakeConnection, Backend):
         self.log = LogOnce()
         self.refs = 0
         self.closed = False
+        self._init_objects()
         self._init_connection()
         try:
             self._connect()
@@ -118,11 +120,14 @@ class MooncakeBackend(MooncakeConnection, Backend):
 
     # -- reads -----------------------------------------------------------------
     def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
-        keys = [k.decode() for k in keys]
+        """(A page or marker of a block object: whether the object exists.)"""
+        keys = self._names(keys)
         if not keys:
             return []
         store = self._ready()
-        rcs = store.batch_is_exist(keys)
+        unique = list(dict.fromkeys(keys))
+        found = dict(zip(unique, store.batch_is_exist(unique)))
+        rcs = [found[k] for k in keys]
         self._check(rcs, "exists")
         if any(r < 0 for r in rcs):
             raise BackendError(f"Mooncake batch_is_exist returned {sorted(set(rcs))}")
@@ -132,6 +137,15 @@ class MooncakeBackend(MooncakeConnection, Backend):
         if not keys:
             return
         store = self._ready()
+        where = {i: w for i, w in enumerate(map(self._locate, keys)) if w is not None}
+        if where:  # block objects' slots (mooncake_objects)
+            self._read_objects(store, keys, where, consume, sizes)
+            rest = [i for i in range(len(keys)) if i not in where]
+            if rest:
+                self.read_many([keys[i] for i in rest],
+                               lambda j, k, v: consume(rest[j], k, v),
+                               None if sizes is None else [sizes[i] for i in rest])
+            return
         names = [k.decode() for k in keys]
         if sizes is None:  # (callers pass them: the page size is known)
             sizes = [max(store.get_size(k), 1) for k in names]
@@ -178,6 +192,11 @@ class MooncakeBackend(MooncakeConnection, Backend):
         if not keys or not self._memory.covers(ptrs, lengths):
             return None
         store = self._ready()
+        where = [self._locate(k) for k in keys]
+        if all(w is not None for w in where):  # block objects' slots (mooncake_objects)
+            return self._direct_objects(store, keys, where, ptrs, lengths)
+        if any(w is not None for w in where):
+            return None  # (a mix: read_many sorts it out)
         names = [k.decode() for k in keys]
         out: list[bytes | None] = []
         staging = self._staging
@@ -229,18 +248,23 @@ class MooncakeBackend(MooncakeConnection, Backend):
                     raise BackendError(f"Mooncake put of {key!r}: {describe(rc)}")
 
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Pages first; commit markers (a drafter's ``commit@<t>`` too) only
-        once every page is stored."""
+        """Block objects of a layout (:meth:`set_layout`) as whole objects;
+        other keys: pages first, commit markers (a drafter's ``commit@<t>``
+        too) only once every page is stored."""
         if not items:
             return
         store = self._ready()
+        items, objects = self._split_puts(items)
+        if objects:  # block objects (mooncake_objects): no markers
+            self._put_objects(store, objects)
         pages = [(k, v) for k, v in items if not is_marker(k)]
         markers = [(k, v) for k, v in items if is_marker(k)]
         self._upsert(store, pages)
         self._upsert(store, markers)
 
     def delete(self, keys: Iterable[bytes]) -> None:
-        keys = [k.decode() for k in keys]
+        """(A block object's page: the whole object.)"""
+        keys = list(dict.fromkeys(self._names(keys)))
         if keys:
             self._check(self._ready().batch_remove(keys, True), "remove")
 
