@@ -132,9 +132,11 @@ def test_old_format_entries_are_never_read_as_block_objects(cluster):
     new.close()
 
 
-@pytest.mark.parametrize("register", [True, False])
-def test_the_pipeline_loads_layer_ranges_in_one_session(cluster, register):
-    be = backend(cluster.master_address, zero_copy_loads=True)
+@pytest.mark.parametrize("register, shm", [(True, False), (False, False), (False, True)])
+def test_the_pipeline_loads_layer_ranges_in_one_session(cluster, register, shm):
+    # (a same-node client has no get sessions: ranges are asked one by one)
+    be = backend(cluster.master_address, zero_copy_loads=True,
+                 **({"client_address": cluster.holder_address} if shm else {}))
     hashes = [bytes([0x40 + i]) * 32 for i in range(3)]
     for h in hashes:
         be.put_many(block(h))
@@ -148,7 +150,7 @@ def test_the_pipeline_loads_layer_ranges_in_one_session(cluster, register):
     for layer in LAYERS:
         pipe.wait(layer)
     assert all(bool((pages[i] == i + 1).all()) for i in range(6))
-    assert be.calls["get_sessions"] <= 2 and be.calls["ranged_gets"] == 6
+    assert be.calls["get_sessions"] == (0 if shm else 1) and be.calls["ranged_gets"] == 6
     pipe.close()
     be.close()
 
@@ -185,4 +187,47 @@ def test_a_writer_killed_mid_put_leaves_no_partial_object(cluster):
     assert all(v is not None for v in got)
     for k, v in zip(keys, got):
         unpack(k, v, NS)  # raises on a torn value
+    be.close()
+
+
+def test_the_hit_cache_holds_until_this_process_writes_or_the_cap(cluster):
+    from vllm_layerwise_patch.pool.hit_cache import HitCache
+
+    now = [0.0]
+    be = backend(cluster.master_address, hit_cache_seconds=2)
+    other = backend(cluster.master_address)
+    cache = HitCache(min(30.0, be.hit_cache_cap), 1000, clock=lambda: now[0])
+    asked = []
+
+    def present(keys):
+        asked.append(len(keys))
+        return be.exists_many(keys)
+
+    h, g = b"\x05" * 32, b"\x06" * 32
+    keys = [marker_key(NS, STATE, h, 0), marker_key(NS, STATE, g, 0)]
+    be.put_many(block(h))
+    assert cache.presence(keys, be.generation(), present) == [True, False]
+    assert cache.presence(keys, be.generation(), present) == [True, False]
+    assert asked == [2]  # the second answer came from the cache
+    # this process stores: the cached miss is asked again
+    be.put_many(block(g))
+    assert cache.presence(keys, be.generation(), present) == [True, True]
+    # this process removes: the cached hit is asked again
+    be.delete_groups([f"{NS.hex()}/state/{h.hex()}/tp0".encode()])
+    assert cache.presence(keys, be.generation(), present) == [False, True]
+    # another client's store is not seen until the cap has passed (documented)
+    other.put_many(block(h))
+    assert cache.presence(keys, be.generation(), present) == [False, True]
+    now[0] += 2.5
+    assert cache.presence(keys, be.generation(), present) == [True, True]
+    # no block objects (or a cap of 0): nothing is cached
+    for off in (backend(cluster.master_address, layout=False),
+                backend(cluster.master_address, hit_cache_seconds=0)):
+        assert off.generation() is None
+        off.close()
+    other.close()
+    # the master went away: a new epoch, nothing cached survives
+    gen = be.generation()
+    be._mark_down("test")
+    assert be.epoch == gen.epoch + 1
     be.close()

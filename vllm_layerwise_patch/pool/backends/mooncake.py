@@ -18,10 +18,14 @@ copy).  One batch per layer keeps the layerwise overlap.
 
 Mooncake's semantics, and what the pool does about them:
 
-* a put on an existing key keeps the old value: saves use upsert;
-* no transactions: a block's pages are written first, its commit marker
-  (``.../commit``) only after every page was stored, so a reader never sees
-  half a block;
+* pages are kept as block objects (:mod:`.mooncake_objects`, key format 5:
+  one object per block, kind and rank, each layer a byte range): a put of
+  an object is atomic, its existence the commit - no markers are stored;
+* other keys (and every key with ``block_objects: false``, the per-layer
+  layout): a put on an existing key keeps the old value, so they use
+  upsert; no transactions: a block's pages are written first, its commit
+  marker (``.../commit``, a drafter's ``.../commit@<t>``) only after every
+  page was stored, so a reader never sees half a block;
 * eviction is Mooncake's own (approximate LRU at a high watermark, skipping
   objects under a read lease, silently): a block found at lookup can be gone
   at load - that request takes vLLM's load-failure path and recomputes; the
@@ -255,24 +259,27 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
             return
         store = self._ready()
         items, objects = self._split_puts(items)
-        if objects:  # block objects (mooncake_objects): no markers
-            self._put_objects(store, objects)
-        pages = [(k, v) for k, v in items if not is_marker(k)]
-        markers = [(k, v) for k, v in items if is_marker(k)]
-        self._upsert(store, pages)
-        self._upsert(store, markers)
+        with self._moving("_stores"):
+            if objects:  # block objects (mooncake_objects): no markers
+                self._put_objects(store, objects)
+            pages = [(k, v) for k, v in items if not is_marker(k)]
+            markers = [(k, v) for k, v in items if is_marker(k)]
+            self._upsert(store, pages)
+            self._upsert(store, markers)
 
     def delete(self, keys: Iterable[bytes]) -> None:
         """(A block object's page: the whole object.)"""
         keys = list(dict.fromkeys(self._names(keys)))
         if keys:
-            self._check(self._ready().batch_remove(keys, True), "remove")
+            with self._moving("_removals"):
+                self._check(self._ready().batch_remove(keys, True), "remove")
 
     def delete_groups(self, groups: Iterable[bytes]) -> None:
         groups = [g.decode() for g in dict.fromkeys(groups)]
         if groups:
             pattern = "^(" + "|".join(re.escape(g) for g in groups) + ")/"
-            rc = self._ready().remove_by_regex(pattern, True)
+            with self._moving("_removals"):
+                rc = self._ready().remove_by_regex(pattern, True)
             self._check([rc], "remove")
 
     def stats(self) -> dict[str, int]:

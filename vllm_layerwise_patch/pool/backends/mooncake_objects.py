@@ -46,24 +46,32 @@ backend maps a page key to its object's range and a marker to the object.
 * A replica list cached in a session can outlive the object only past
   its read lease; each range carries its own header and checksum, so such
   a read fails its check and takes the load-failure path.
+* Hit cache: :meth:`generation` counts this process's own stores and
+  removals and moves its epoch whenever the master goes away or comes back;
+  Mooncake tells nothing of other clients' stores or of its evictions, so
+  the scheduler keeps answers at most ``hit_cache_seconds``
+  (:attr:`hit_cache_cap`): a block another engine saved meanwhile is missed
+  for that long, an evicted one taken for a hit fails its load and the
+  request recomputes - never wrong tokens.
 * Old keys (format 4: per-layer objects and markers) live under other
   namespaces (the key version is part of the namespace) and are never read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
 from ..keys import ATTN, COMMIT, STATE, layer_id
+from .generation import Generation
 from .base import HEADER_SIZE, VALUE_OFFSET, BackendError, PoolFull
-from .mooncake_io import MISSING, NO_SPACE, describe
+from .mooncake_io import NO_SPACE, describe
+from .mooncake_reads import ObjectReads
 
 TRANSFER_FAIL = -800
 EXISTS = -705
-SESSION_SECONDS = 5.0
 DRAFT = "draft"
 
 
@@ -103,7 +111,7 @@ class ObjectLayout:
         return None
 
 
-class BlockObjects:
+class BlockObjects(ObjectReads):
     """The block-object paths of :class:`.mooncake.MooncakeBackend`."""
 
     _layouts: list[ObjectLayout]
@@ -113,9 +121,33 @@ class BlockObjects:
         self._sessions: dict[str, tuple[float, set[int]]] = {}  # object -> (start, slots left)
         self._session_lock = threading.Lock()
         self.put_skipped = 0  # objects given up after a retried transfer failure
+        self._stores = self._removals = 0  # this process's own (generation())
+
+    @property
+    def hit_cache_cap(self) -> float:
+        """The longest the scheduler's hit cache may keep an answer."""
+        return float(getattr(self.cfg, "hit_cache_seconds", 0.0))
+
+    def generation(self) -> Generation | None:
+        """This process's stores and removals and the connection's epoch (see
+        module doc); None (nothing cached) without block objects."""
+        if not self._layouts or not self.hit_cache_cap:
+            return None
+        return Generation(self.epoch, self._stores, self._removals)
+
+    @contextlib.contextmanager
+    def _moving(self, counter: str):
+        """Move ``counter`` to odd before a write and to even after it."""
+        setattr(self, counter, getattr(self, counter) + 1)
+        try:
+            yield
+        finally:
+            setattr(self, counter, getattr(self, counter) + 1)
 
     def set_layout(self, ns: bytes, layout: Any) -> None:
         """Store this namespace's pages as block objects (see module doc)."""
+        if not getattr(self.cfg, "block_objects", True):
+            return
         new = ObjectLayout.of(ns, layout)
         self._layouts = [x for x in self._layouts if x.prefix != new.prefix] + [new]
 
@@ -216,159 +248,3 @@ class BlockObjects:
                             self.put_skipped += 1
                         raise BackendError(f"Mooncake put of {obj!r}: {describe(rc)}")
                 todo, retry = retry, []
-
-    # -- reads -----------------------------------------------------------------
-    def _end_sessions(self, store: Any, names: list[str]) -> None:
-        if names:
-            try:
-                store.batch_get_session_end(names)
-            except Exception:  # noqa: BLE001 - local: drops cached replica lists
-                pass
-
-    def _session(self, store: Any, want: dict[str, set[int]], n_slots: dict[str, int]
-                 ) -> dict[str, int]:
-        """Objects of ``want`` (object -> slots read now) in a get session:
-        {object: 0} or the error code of a session start that failed."""
-        now = time.monotonic()
-        out: dict[str, int] = {}
-        with self._session_lock:
-            stale = [o for o, (t, _) in self._sessions.items() if now - t > SESSION_SECONDS]
-            for o in stale:
-                del self._sessions[o]
-            self._end_sessions(store, stale)
-            start = [o for o in want if o not in self._sessions]
-            if start:
-                rcs = store.batch_get_session_start(start)
-                self._check(rcs, "get")
-                self.calls["get_sessions"] += 1
-                for o, rc in zip(start, rcs):
-                    if rc == 0:
-                        self._sessions[o] = (now, set(range(n_slots[o])))
-                    else:
-                        out[o] = rc
-            for o in want:
-                out.setdefault(o, 0)
-        return out
-
-    def _done_reading(self, store: Any, read: dict[str, set[int]]) -> None:
-        ended = []
-        with self._session_lock:
-            for o, slots in read.items():
-                entry = self._sessions.get(o)
-                if entry is not None:
-                    entry[1].difference_update(slots)
-                    if not entry[1]:
-                        del self._sessions[o]
-                        ended.append(o)
-        self._end_sessions(store, ended)
-
-    def _read_objects(self, store: Any, keys: list[bytes], where: dict[int, tuple],
-                      consume, sizes: list[int] | None) -> None:
-        """Read the located keys ``where`` (index -> (layout, object, slot,
-        slots)): whole objects when every slot is asked for, else ranges in a
-        get session; ``consume(i, key, value or None)``."""
-        by_obj: dict[str, list[int]] = {}
-        for i, (_lay, obj, _slot, _n) in where.items():
-            by_obj.setdefault(obj, []).append(i)
-        whole = [o for o, idx in by_obj.items()
-                 if len({where[i][2] for i in idx}) == where[idx[0]][3]]
-        ranged = [o for o in by_obj if o not in set(whole)]
-        staging = self._staging
-        with staging.region() as region:
-            if whole:
-                total = [where[by_obj[o][0]][3] * where[by_obj[o][0]][0].slot for o in whole]
-                for a, b, ptrs in staging.runs(region, total):
-                    rcs = store.batch_get_into(whole[a:b], ptrs, total[a:b])
-                    self._check(rcs, "get")
-                    for o, ptr, rc, size in zip(whole[a:b], ptrs, rcs, total[a:b]):
-                        for i in by_obj[o]:
-                            lay, slot = where[i][0], where[i][2]
-                            if rc != size:
-                                self._failed(rc, keys[i])
-                                consume(i, keys[i], None)
-                            else:
-                                consume(i, keys[i], _value(staging.view(ptr + slot * lay.slot,
-                                                                        lay.slot)))
-            if not ranged:
-                return
-            n_slots = {o: where[by_obj[o][0]][3] for o in ranged}
-            want = {o: {where[i][2] for i in by_obj[o]} for o in ranged}
-            started = self._session(store, want, n_slots)
-            for o in ranged:
-                if started[o] != 0:
-                    for i in by_obj[o]:
-                        self._failed(started[o], keys[i])
-                        consume(i, keys[i], None)
-            live = [o for o in ranged if started[o] == 0]
-            flat = [i for o in live for i in by_obj[o]]
-            lens = [min(where[i][0].slot, sizes[i] if sizes else where[i][0].slot)
-                    for i in flat]
-            for a, b, ptrs in staging.runs(region, lens):
-                chunk = flat[a:b]
-                objs = list(dict.fromkeys(where[i][1] for i in chunk))
-                at = {i: (p, n) for i, p, n in zip(chunk, ptrs, lens[a:b])}
-                groups = [[i for i in chunk if where[i][1] == o] for o in objs]
-                rcs = store.batch_get_into_multi_buffer_ranges(
-                    objs, [[at[i][0] for i in g] for g in groups],
-                    [[at[i][1] for i in g] for g in groups],
-                    [[where[i][2] * where[i][0].slot for i in g] for g in groups])
-                self._check(rcs, "get")
-                self.calls["ranged_gets"] += 1
-                for g, rc in zip(groups, rcs):
-                    ok = rc == sum(at[i][1] for i in g)
-                    for i in g:
-                        if not ok:
-                            self._failed(rc, keys[i])
-                        consume(i, keys[i], _value(staging.view(*at[i])) if ok else None)
-        self._done_reading(store, want)
-
-    def _direct_objects(self, store: Any, keys: list[bytes], where: list[tuple],
-                        ptrs: list[int], lengths: list[int]) -> list[bytes | None]:
-        """Zero-copy ranges: each slot's header into the staging region, its
-        payload straight into the page (in a get session)."""
-        by_obj: dict[str, list[int]] = {}
-        for i, (_lay, obj, _slot, _n) in enumerate(where):
-            by_obj.setdefault(obj, []).append(i)
-        want = {o: {where[i][2] for i in idx} for o, idx in by_obj.items()}
-        started = self._session(store, want, {o: where[idx[0]][3] for o, idx in by_obj.items()})
-        out: list[bytes | None] = [None] * len(keys)
-        live = [o for o in by_obj if started[o] == 0]
-        flat = [i for o in live for i in by_obj[o]]
-        staging = self._staging
-        with staging.region() as region:
-            for a, b, heads in staging.runs(region, [HEADER_SIZE] * len(flat)):
-                chunk = flat[a:b]
-                head = dict(zip(chunk, heads))
-                objs = list(dict.fromkeys(where[i][1] for i in chunk))
-                groups = [[i for i in chunk if where[i][1] == o] for o in objs]
-                rcs = store.batch_get_into_multi_buffer_ranges(
-                    objs, [[x for i in g for x in (head[i], ptrs[i])] for g in groups],
-                    [[x for i in g for x in (HEADER_SIZE, lengths[i])] for g in groups],
-                    [[x for i in g for x in (where[i][2] * where[i][0].slot,
-                                             where[i][2] * where[i][0].slot + HEADER_SIZE)]
-                     for g in groups])
-                self._check(rcs, "get")
-                self.calls["ranged_gets"] += 1
-                for g, rc in zip(groups, rcs):
-                    ok = rc == sum(HEADER_SIZE + lengths[i] for i in g)
-                    for i in g:
-                        if ok:
-                            out[i] = bytes(staging.view(head[i], HEADER_SIZE))
-                        else:
-                            self._failed(rc, keys[i])
-        for o in by_obj:
-            if started[o] != 0 and started[o] != MISSING:
-                for i in by_obj[o]:
-                    self._failed(started[o], keys[i])
-        self._done_reading(store, want)
-        return out
-
-
-def _value(view: memoryview) -> memoryview:
-    """A slot's value without the slot's padding (its header says how long
-    the payload is; a slot that holds no header is passed whole, for the
-    caller's check to reject)."""
-    if view.nbytes < HEADER_SIZE:
-        return view
-    length = int.from_bytes(view[8:16], "little")
-    return view[:HEADER_SIZE + length] if HEADER_SIZE + length <= view.nbytes else view
