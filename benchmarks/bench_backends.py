@@ -60,6 +60,9 @@ from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
 import _results
 
 NS = b"B" * 16
+TITLE = ("pool backends: loads (LayerwisePipeline, into KV pages), fetches (into the "
+         "backend's registered buffer) and saves (put_many) vs one thread's memcpy, same "
+         "run; Mooncake in both key layouts with the master's requests per hit and save")
 
 
 class _Layout:
@@ -83,7 +86,7 @@ def master_requests(cluster) -> float:
                and "ping" not in line)
 
 
-def _open(kind: str, cluster, tmp: str, capacity: int):
+def _open(kind: str, cluster, tmp: str, capacity: int, staging: int = 128 << 20):
     from vllm_layerwise_patch.pool.config import PoolConfig
 
     if kind == "lmdb":
@@ -92,7 +95,7 @@ def _open(kind: str, cluster, tmp: str, capacity: int):
         return LmdbBackend(os.path.join(tmp, "lmdb"), capacity, pin_seconds=0)
     from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
 
-    mc = {"master_address": cluster.master_address, "local_buffer_size": "512MiB",
+    mc = {"master_address": cluster.master_address, "local_buffer_size": staging,
           "global_segment_size": 0, "zero_copy_loads": True,  # the opt-in fast path
           "prefer_local_segment": True}  # (the default)
     if kind == "mooncake-shm":
@@ -110,7 +113,10 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str,
              layers: int, layout: str) -> dict:
     blocks = max(1, total // (layers * page))
     nbytes = layers * blocks * page
-    be = _open(kind, cluster, tmp, max(nbytes * (repeats + 2), 256 << 20))
+    # (a staging region - a quarter of the buffer - holds one block object;
+    # every pass is deleted before the next: the machine's memory is shared)
+    be = _open(kind, cluster, tmp, max(nbytes * 3, 256 << 20),
+               max(128 << 20, 5 * layers * page + (8 << 20)))
     src = {f"model.layers.{i}.x": torch.randint(0, 256, (blocks, page), dtype=torch.uint8)
            for i in range(layers)}
     dest = {n: torch.zeros_like(t) for n, t in src.items()}
@@ -243,7 +249,7 @@ def main() -> None:
     cluster = None
     if any(k.startswith("mooncake") for k in kinds):
         cluster = LocalMooncake(os.path.join(tmp, "mc"), rpc_port=free_port(),
-                                metrics_port=free_port(), holder=1 << 30,
+                                metrics_port=free_port(), holder=512 << 20,
                                 holder_port=free_port()).start()
     results = []
     try:
@@ -264,13 +270,12 @@ def main() -> None:
                    f"{rpc['per_save']:.0f}") if rpc else ""
             print(f"L{layers:<3}{kind:>13} {layout:>9} {page >> 10:>5} KiB: {parts}; memcpy "
                   f"{r['GB_per_s']['memcpy']:.2f} GB/s{rpc}", flush=True)
+            _results.write(args.out, TITLE, results)  # (after each case: a partial run counts)
     finally:
         if cluster is not None:
             cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    _results.write(args.out, "pool backends: loads (LayerwisePipeline, into KV "
-                   "pages), fetches (into the backend's registered buffer) and saves "
-                   "(put_many) vs one thread's memcpy, same run", results)
+    _results.write(args.out, TITLE, results)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,10 @@ backend maps a page key to its object's range and a marker to the object.
   ``SESSION_SECONDS``).  Layer ``i`` can thus be used while later layers
   are in flight (the layerwise overlap), at one master query per hit.
   Reads of every slot of an object at once (the lookup's verification)
-  read the whole object (``batch_get_into``).  ``get_into_ranges`` was not
+  read the whole object (``batch_get_into``).  A worker holding a segment
+  reads whole objects straight into the KV pages instead
+  (:mod:`.mooncake_whole`: local replicas copy at memcpy speed, ranges do
+  not).  ``get_into_ranges`` was not
   used: it asks the master once per object and call (48 x 8 queries for
   8 blocks of 48 layers, measured), the session once.
 * A replica list cached in a session can outlive the object only past
@@ -122,6 +125,7 @@ class BlockObjects(ObjectReads):
         self._session_lock = threading.Lock()
         self.put_skipped = 0  # objects given up after a retried transfer failure
         self._stores = self._removals = 0  # this process's own (generation())
+        self._init_whole()
 
     @property
     def hit_cache_cap(self) -> float:

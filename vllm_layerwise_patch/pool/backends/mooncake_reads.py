@@ -10,13 +10,14 @@ from typing import Any
 
 from .base import HEADER_SIZE
 from .mooncake_io import MISSING
+from .mooncake_whole import WholeObjects
 
 #: a get session's cached replica lists are dropped after this long (the
 #: read lease they came with is ``lease_ttl_ms``, 10 s in mooncake-local)
 SESSION_SECONDS = 5.0
 
 
-class ObjectReads:
+class ObjectReads(WholeObjects):
     _sessions: dict[str, tuple[float, set[int]]]
     _session_lock: Any
 
@@ -159,12 +160,15 @@ class ObjectReads:
                         ptrs: list[int], lengths: list[int]) -> list[bytes | None]:
         """Zero-copy ranges: each slot's header into the staging region, its
         payload straight into the page (in a get session)."""
-        by_obj: dict[str, list[int]] = {}
-        for i, (_lay, obj, _slot, _n) in enumerate(where):
-            by_obj.setdefault(obj, []).append(i)
-        want = {o: {where[i][2] for i in idx} for o, idx in by_obj.items()}
-        started = self._session(store, want, {o: where[idx[0]][3] for o, idx in by_obj.items()})
         out: list[bytes | None] = [None] * len(keys)
+        left = (self._direct_whole(store, keys, where, ptrs, out) if self._plan
+                else range(len(keys)))  # (whole objects: mooncake_whole)
+        by_obj: dict[str, list[int]] = {}
+        for i in left:
+            by_obj.setdefault(where[i][1], []).append(i)
+        want = {o: {where[i][2] for i in idx} for o, idx in by_obj.items()}
+        started = (self._session(store, want, {o: where[idx[0]][3] for o, idx in by_obj.items()})
+                   if by_obj else {})
         live = [o for o in by_obj if started[o] == 0]
         flat = [i for o in live for i in by_obj[o]]
         staging = self._staging
