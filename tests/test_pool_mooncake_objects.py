@@ -135,8 +135,9 @@ def test_old_format_entries_are_never_read_as_block_objects(cluster):
 @pytest.mark.parametrize("register, shm, own", [(True, False, False), (False, False, False),
                                                (False, True, False), (True, False, True)])
 def test_the_pipeline_loads_layer_ranges_in_one_session(cluster, register, shm, own):
-    # (a same-node client has no get sessions: ranges are asked one by one;
-    # a worker holding a segment reads whole objects into the pages)
+    # (a worker holding a segment reads whole objects into the pages; a
+    # same-node client has no get sessions: it reads the step's objects whole
+    # into a staging region once, and the layers copy from there)
     extra = {"client_address": cluster.holder_address} if shm else {}
     if own:
         extra["global_segment_size"] = "16MiB"
@@ -156,10 +157,10 @@ def test_the_pipeline_loads_layer_ranges_in_one_session(cluster, register, shm, 
     for layer in LAYERS:
         pipe.wait(layer)
     assert all(bool((pages[i] == i + 1).all()) for i in range(6))
-    if own:
+    if own or shm:
         assert be.calls["whole_gets"] == 1 and be.calls["ranged_gets"] == 0
     else:
-        assert be.calls["get_sessions"] == (0 if shm else 1) and be.calls["ranged_gets"] == 6
+        assert be.calls["get_sessions"] == 1 and be.calls["ranged_gets"] == 6
     pipe.close()
     be.close()
 
@@ -290,17 +291,19 @@ def test_a_holder_killed_mid_put_never_yields_a_partial_object(tmp_path):
         lm.stop()
 
 
-@pytest.mark.parametrize("own", [False, True])
-def test_a_damaged_slot_fails_its_load_and_the_others_load(cluster, own):
+@pytest.mark.parametrize("own, shm", [(False, False), (True, False), (False, True)])
+def test_a_damaged_slot_fails_its_load_and_the_others_load(cluster, own, shm):
     # one layer's value in a block object is damaged (a payload byte flipped
     # after its checksum was taken): that layer's load fails (its page is
     # zeroed, the request recomputes), the other layers load - by ranges or
     # by a whole-object read straight into the pages
     extra = {"global_segment_size": "16MiB"} if own else {}
+    if shm:
+        extra["client_address"] = cluster.holder_address
     be = backend(cluster.master_address, zero_copy_loads=True, **extra)
     if own:
         be.mount_segment()
-    h = bytes([0x60 + own]) * 32
+    h = bytes([0x60 + own + 2 * shm]) * 32
     items = block(h)
     bad = bytearray(items[2][1])
     bad[-1] ^= 1
@@ -308,13 +311,13 @@ def test_a_damaged_slot_fails_its_load_and_the_others_load(cluster, own):
     be.put_many(items)
     kv = torch.full((6, PAGE), 0xEE, dtype=torch.uint8)
     pipe = LayerwisePipeline(LAYERS, be, NS, prefetch=2, threads=2)
-    assert pipe.register_memory([kv])
+    assert pipe.register_memory([kv]) is not shm
     pipe.start({LAYERS[i]: [(page_key(NS, ATTN, h, 0, str(i)), [kv[i]])] for i in range(6)},
                tolerate_errors=True)
     for layer in LAYERS:
         pipe.wait(layer)
     assert [f[0] for f in pipe.failures] == [LAYERS[2]]
     assert [bool((kv[i] == (0 if i == 2 else i + 1)).all()) for i in range(6)] == [True] * 6
-    assert be.calls["whole_gets" if own else "get_sessions"] == 1
+    assert be.calls["whole_gets" if own or shm else "get_sessions"] == 1
     pipe.close()
     be.close()

@@ -10,6 +10,7 @@ from typing import Any
 
 from .base import HEADER_SIZE
 from .mooncake_io import MISSING
+from .mooncake_io import slot_value as _value
 from .mooncake_whole import WholeObjects
 
 #: a get session's cached replica lists are dropped after this long (the
@@ -98,7 +99,10 @@ class ObjectReads(WholeObjects):
             n_slots = {o: where[by_obj[o][0]][3] for o in ranged}
             want = {o: {where[i][2] for i in by_obj[o]} for o in ranged}
             if self.cfg.client_address:  # (a same-node client has no get sessions)
-                self._plain_ranges(store, keys, where, consume, sizes, ranged, by_obj, region)
+                ranged = self._staged(store, keys, where, consume, ranged, by_obj)
+                if ranged:
+                    self._plain_ranges(store, keys, where, consume, sizes, ranged, by_obj,
+                                       region)
                 return
             started = self._session(store, want, n_slots)
             for o in ranged:
@@ -200,12 +204,3 @@ class ObjectReads(WholeObjects):
         self._done_reading(store, want)
         return out
 
-
-def _value(view: memoryview) -> memoryview:
-    """A slot's value without the slot's padding (its header says how long
-    the payload is; a slot that holds no header is passed whole, for the
-    caller's check to reject)."""
-    if view.nbytes < HEADER_SIZE:
-        return view
-    length = int.from_bytes(view[8:16], "little")
-    return view[:HEADER_SIZE + length] if HEADER_SIZE + length <= view.nbytes else view

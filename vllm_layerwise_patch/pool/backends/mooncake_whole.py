@@ -1,4 +1,5 @@
-"""Whole block objects straight into the KV pages, for a worker that holds a
+"""Whole block objects, read once per step: straight into the KV pages for a
+worker that holds a
 segment of the pool (``global_segment_size`` > 0): its own saves sit in its
 own segment (``prefer_local_segment``) and Mooncake copies a whole object
 from a local replica at memcpy speed, while a ranged read of the same bytes
@@ -15,6 +16,12 @@ scratch area).  Later layers find their pages already written and get the
 headers to check them (each page is still checked before use, in place).
 The price: the first layer waits for the whole block (no layer overlap for
 these objects) - at memcpy speed.
+
+A same-node client (``client_address``) has no get sessions, and its ranged
+reads ask the master once per object and layer: there the first layer's
+read takes the step's planned objects whole into a staging region held for
+the step (as many as fit; the rest are read as ranges), and every layer
+copies its pages from there.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import threading
 from typing import Any
 
 from .base import HEADER_SIZE
+from .mooncake_io import slot_value as _value
 
 #: header area: this many headers per step at most (others load as ranges)
 HEADERS = 16384
@@ -36,6 +44,10 @@ class WholeObjects:
         self._heads: dict[str, int | None] = {}  # fetched object -> its header area
         self._plan_lock = threading.Lock()
         self._head_buf: Any = None
+        self._stage: dict[str, tuple[Any, int]] = {}  # same-node: object -> (layout, slots)
+        self._staged_at: dict[str, int | None] = {}  # fetched -> its address (None: failed)
+        self._stage_left = 0  # planned slots not read yet
+        self._stage_region: int | None = None
 
     def _head_area(self, slot: int) -> int | None:
         """The registered header and scratch area (allocated once)."""
@@ -52,6 +64,15 @@ class WholeObjects:
         where this process holds a segment and reads into registered pages."""
         with self._plan_lock:
             self._plan, self._plan_slots, self._heads = {}, {}, {}
+            self._release_stage()
+            if self.cfg.client_address and self._layouts:
+                for items in tasks.values():
+                    for key, _dests in items:
+                        where = self._locate(key)
+                        if where is not None:
+                            self._stage[where[1]] = (where[0], where[3])
+                            self._stage_left += 1
+                return
             if not (self._segment_mounted and self._layouts and self._store is not None):
                 return
             for items in tasks.values():
@@ -125,3 +146,56 @@ class WholeObjects:
                     at = head + where[i][2] * HEADER_SIZE
                     out[i] = bytes((ctypes.c_ubyte * HEADER_SIZE).from_address(at))
         return left
+
+    # -- a same-node client: whole objects into a staging region ---------------
+    def _release_stage(self) -> None:
+        if self._stage_region is not None:
+            self._staging.release(self._stage_region)
+        self._stage, self._staged_at, self._stage_left, self._stage_region = {}, {}, 0, None
+
+    def _staged(self, store: Any, keys: list[bytes], where: dict[int, tuple], consume,
+                ranged: list[str], by_obj: dict[str, list[int]]) -> list[str]:
+        """Serve the slots of this step's planned objects from whole reads
+        into a held staging region; returns the objects left for ranges."""
+        with self._plan_lock:
+            todo = [o for o in self._stage if o not in self._staged_at]
+            if todo and any(o in self._stage for o in ranged):
+                staging = self._staging
+                if self._stage_region is None:
+                    self._stage_region = staging.acquire()
+                used = sum(self._stage[o][0].slot * self._stage[o][1]
+                           for o, at in self._staged_at.items() if at is not None)
+                names, ptrs, sizes = [], [], []
+                for o in todo:
+                    size = self._stage[o][0].slot * self._stage[o][1]
+                    if used + size > staging.region_size:
+                        self._staged_at[o] = None  # (read as ranges)
+                        continue
+                    names.append(o)
+                    ptrs.append(self._stage_region + used)
+                    sizes.append(size)
+                    used += size
+                if names:
+                    rcs = store.batch_get_into(names, ptrs, sizes)
+                    self._check(rcs, "get")
+                    self.calls["whole_gets"] += 1
+                    for o, p, n, rc in zip(names, ptrs, sizes, rcs):
+                        self._staged_at[o] = p if rc == n else min(rc, -1)
+            left = []
+            for o in ranged:
+                at = self._staged_at.get(o)
+                if at is None:
+                    left.append(o)
+                    continue
+                for i in by_obj[o]:
+                    lay, slot = where[i][0], where[i][2]
+                    self._stage_left -= 1
+                    if at < 0:
+                        self._failed(at, keys[i])
+                        consume(i, keys[i], None)
+                    else:
+                        view = self._staging.view(at + slot * lay.slot, lay.slot)
+                        consume(i, keys[i], _value(view))
+            if self._stage_left <= 0 and self._stage_region is not None:
+                self._release_stage()
+            return left
