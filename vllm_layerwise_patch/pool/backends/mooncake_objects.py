@@ -25,11 +25,12 @@ backend maps a page key to its object's range and a marker to the object.
   existence is the commit; markers are not stored.  ``put_many`` writes an
   object only when its marker is in the batch (every layer saved) and every
   slot is there; an incomplete block is not written at all.
-* Saves: each page is copied once into the registered staging buffer (its
-  slot's place) and a step's objects are written by one
+* Saves: each packed page (the send thread's copy) is copied into the
+  registered staging buffer (its slot's place; the pack memory is not
+  registered - not done yet) and a step's objects are written by one
   ``batch_put_from_multi_buffers`` per region-full; a put that fails with a
   transfer error (-800: a holder just restarted) is retried once, then
-  skipped and counted (``put_skipped``).  A put of an existing object
+  counted (``put_skipped``) and the step's save fails (a failed save).  A put of an existing object
   keeps it (same key, same content).
 * Loads: a layer's pages are byte ranges of the objects.  The first layer
   of a hit starts a *get session* (``batch_get_session_start``: one
@@ -43,9 +44,11 @@ backend maps a page key to its object's range and a marker to the object.
   read the whole object (``batch_get_into``).  A worker holding a segment
   reads whole objects straight into the KV pages instead
   (:mod:`.mooncake_whole`: local replicas copy at memcpy speed, ranges do
-  not).  ``get_into_ranges`` was not
-  used: it asks the master once per object and call (48 x 8 queries for
-  8 blocks of 48 layers, measured), the session once.
+  not).  ``get_into_ranges`` asks the master once per object and call (48 x 8
+  queries for 8 blocks of 48 layers, measured), the session once: it only
+  serves a same-node client's objects that do not fit its staging region
+  (such a client has no get sessions; it reads the step's objects whole,
+  :mod:`.mooncake_whole`).
 * A replica list cached in a session can outlive the object only past
   its read lease; each range carries its own header and checksum, so such
   a read fails its check and takes the load-failure path.
