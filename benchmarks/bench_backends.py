@@ -25,8 +25,18 @@ starts; on this CPU-only harness the KV pages are host memory too, so a
 ``load`` that goes through the staging buffer copies every byte twice.
 memcpy is one thread's copy of the same bytes (the reference's "1 process"
 memcpy), taken after each pass; ratios are medians of per-pass ratios.
-Pages of 160 KiB (the tiny model's) and 2 MiB.  A loopback master and holder
-are started and stopped by the benchmark (``mooncake-local``).
+Pages of 160 KiB (the tiny model's) and 2 MiB, models of 8 and 48 layers.  A
+loopback master and holder are started and stopped by the benchmark
+(``mooncake-local``).
+
+Mooncake runs in both key layouts, side by side: ``per-layer`` (key format
+4: an object per page and a commit marker per block) and ``per-block``
+(format 5, :mod:`vllm_layerwise_patch.pool.backends.mooncake_objects`: one
+object per block, layers as byte ranges).  Keys are the pool's own (pages
+and markers of attention blocks).  ``master_rpcs`` counts the requests the
+master served (its metrics, every ``*_requests_total``) for one hit - the
+lookup's existence check of the blocks' markers and the layerwise load of
+every page - and for one save of the same blocks.
 
     python benchmarks/bench_backends.py [--out benchmarks/results/backends.json]
 """
@@ -44,15 +54,39 @@ import torch
 
 from vllm_layerwise_patch.bench.transfer import memcpy_seconds
 from vllm_layerwise_patch.pool.backends.base import pack
+from vllm_layerwise_patch.pool.keys import ATTN, marker_key, page_key
 from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
 
 import _results
 
 NS = b"B" * 16
-LAYERS = 8
+TITLE = ("pool backends: loads (LayerwisePipeline, into KV pages), fetches (into the "
+         "backend's registered buffer) and saves (put_many) vs one thread's memcpy, same "
+         "run; Mooncake in both key layouts with the master's requests per hit and save")
 
 
-def _open(kind: str, cluster, tmp: str, capacity: int):
+class _Layout:
+    """What the Mooncake backend needs of a pool layout (set_layout)."""
+
+    def __init__(self, order: list[str], page: int) -> None:
+        self.order, self.page_bytes, self.drafter_layers = order, page, frozenset()
+
+    def layers(self, kind: str) -> tuple[str, ...]:
+        return tuple(self.order) if kind == ATTN else ()
+
+
+def master_requests(cluster) -> float:
+    """Requests the master has served (its Prometheus metrics)."""
+    import urllib.request
+
+    url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("master_") and "_requests_total" in line.split()[0]
+               and "ping" not in line)
+
+
+def _open(kind: str, cluster, tmp: str, capacity: int, staging: int = 128 << 20):
     from vllm_layerwise_patch.pool.config import PoolConfig
 
     if kind == "lmdb":
@@ -61,7 +95,7 @@ def _open(kind: str, cluster, tmp: str, capacity: int):
         return LmdbBackend(os.path.join(tmp, "lmdb"), capacity, pin_seconds=0)
     from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
 
-    mc = {"master_address": cluster.master_address, "local_buffer_size": "128MiB",
+    mc = {"master_address": cluster.master_address, "local_buffer_size": staging,
           "global_segment_size": 0, "zero_copy_loads": True,  # the opt-in fast path
           "prefer_local_segment": True}  # (the default)
     if kind == "mooncake-shm":
@@ -75,14 +109,20 @@ def _open(kind: str, cluster, tmp: str, capacity: int):
     return be
 
 
-def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str) -> dict:
-    blocks = max(1, total // (LAYERS * page))
-    nbytes = LAYERS * blocks * page
-    be = _open(kind, cluster, tmp, max(nbytes * (repeats + 2), 256 << 20))
+def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str,
+             layers: int, layout: str) -> dict:
+    blocks = max(1, total // (layers * page))
+    nbytes = layers * blocks * page
+    # (a staging region - a quarter of the buffer - holds one block object;
+    # every pass is deleted before the next: the machine's memory is shared)
+    be = _open(kind, cluster, tmp, max(nbytes * 3, 256 << 20),
+               max(128 << 20, 5 * layers * page + (8 << 20)))
     src = {f"model.layers.{i}.x": torch.randint(0, 256, (blocks, page), dtype=torch.uint8)
-           for i in range(LAYERS)}
+           for i in range(layers)}
     dest = {n: torch.zeros_like(t) for n, t in src.items()}
     order = list(src)
+    if layout == "per-block":
+        be.set_layout(NS, _Layout(order, page))
     values = {(n, b): pack(NS, src[n][b].numpy().tobytes()) for n in order
               for b in range(blocks)}
     pipe = LayerwisePipeline(order, be, NS, prefetch=2, threads=2, check_crc=False)
@@ -101,33 +141,50 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str) 
             be.read_many(keys, lambda *_: None, [len(values[(order[0], 0)])] * len(keys))
 
     fetches = kind.startswith("mooncake")
+    rpcs: dict[str, float] = {}
+
+    def counted(what: str, fn) -> None:  # master requests of one call (first pass)
+        before = master_requests(cluster) if fetches and not rpcs.get(what) else None
+        fn()
+        if before is not None:
+            rpcs[what] = master_requests(cluster) - before
+
     for r in range(repeats):
-        items = [(f"{kind}/{page}/{r}/{n}/{b}".encode(), values[(n, b)]) for n in order
-                 for b in range(blocks)]
-        timed("save", lambda: be.put_many(items))
-        tasks = {n: [(f"{kind}/{page}/{r}/{n}/{b}".encode(), [dest[n][b]])
-                     for b in range(blocks)] for n in order}
+        hashes = [f"{kind}/{layers}/{page}/{r}/{b}".encode() for b in range(blocks)]
+        items = [(page_key(NS, ATTN, hashes[b], 0, str(i)), values[(n, b)])
+                 for i, n in enumerate(order) for b in range(blocks)]
+        markers = [marker_key(NS, ATTN, h, 0) for h in hashes]
+        items += [(m, pack(NS, b"")) for m in markers]
+        timed("save", lambda: counted("save", lambda: be.put_many(items)))
+        tasks = {n: [(page_key(NS, ATTN, hashes[b], 0, str(i)), [dest[n][b]])
+                     for b in range(blocks)] for i, n in enumerate(order)}
         for phase in ("load_first", "load"):  # right after the put, then warm
             for t in dest.values():
                 t.zero_()
-            timed(phase, lambda: pipe.load_all(tasks))
+            timed(phase, lambda: counted(
+                "hit", lambda: (be.exists_many(markers), pipe.load_all(tasks))))
             assert all(torch.equal(dest[n], src[n]) for n in order), (kind, phase)
         if fetches:
             timed("fetch", lambda: fetch([[k for k, _ in tasks[n]] for n in order]))
-        be.delete([k for k, _ in items])
+        be.delete_groups([m.rpartition(b"/")[0] for m in markers])
     pipe.close()
     be.close()
-    return summarize(kind, page, blocks, nbytes, repeats, times)
+    out = summarize(kind, page, blocks, nbytes, repeats, times, layers)
+    out["layout"] = layout
+    if rpcs:
+        out["master_rpcs"] = {"per_hit": rpcs["hit"], "per_hit_block": rpcs["hit"] / blocks,
+                              "per_save": rpcs["save"]}
+    return out
 
 
 def summarize(kind: str, page: int, blocks: int, nbytes: int, repeats: int,
-              times: dict[str, list[tuple[float, float]]]) -> dict:
+              times: dict[str, list[tuple[float, float]]], layers: int) -> dict:
     """One result row from each phase's (seconds, memcpy seconds) passes."""
     times = {k: v for k, v in times.items() if v}
     med = {k: statistics.median(t for t, _ in v) for k, v in times.items()}
     med["memcpy"] = statistics.median(m for v in times.values() for _, m in v)
     gb = nbytes / 1e9
-    return {"backend": kind, "page_bytes": page, "pages_per_layer": blocks, "layers": LAYERS,
+    return {"backend": kind, "page_bytes": page, "pages_per_layer": blocks, "layers": layers,
             "bytes_per_pass": nbytes, "repeats": repeats,
             "median_seconds": {k: round(v, 5) for k, v in med.items()},
             "GB_per_s": {k: round(gb / v, 3) for k, v in med.items()},
@@ -135,14 +192,14 @@ def summarize(kind: str, page: int, blocks: int, nbytes: int, repeats: int,
                                 for k, v in times.items()}}
 
 
-def socket_case(page: int, total: int, repeats: int) -> dict:
+def socket_case(page: int, total: int, repeats: int, layers: int) -> dict:
     """The same bytes through one loopback TCP stream (a sender thread, the
     receiver ``recv_into`` the destination pages): the kernel's ceiling."""
     import socket
     import threading
 
-    blocks = max(1, total // (LAYERS * page))
-    src = torch.randint(0, 256, (LAYERS, blocks * page), dtype=torch.uint8)
+    blocks = max(1, total // (layers * page))
+    src = torch.randint(0, 256, (layers, blocks * page), dtype=torch.uint8)
     dest = torch.zeros_like(src)
     listener = socket.create_server(("127.0.0.1", 0))
 
@@ -168,7 +225,8 @@ def socket_case(page: int, total: int, repeats: int) -> dict:
             assert torch.equal(dest, src)
     sender.join(10)
     listener.close()
-    return summarize("tcp-socket", page, blocks, src.numel(), repeats, {"load": times})
+    return summarize("tcp-socket", page, blocks, src.numel(), repeats, {"load": times},
+                     layers)
 
 
 def main() -> None:
@@ -179,6 +237,9 @@ def main() -> None:
     ap.add_argument("--mib-per-pass", type=int, default=64)
     ap.add_argument("--backends",
                     default="lmdb,mooncake-tcp,mooncake-shm,mooncake-own,tcp-socket")
+    ap.add_argument("--layers", default="8,48")
+    ap.add_argument("--layouts", default="per-layer,per-block",
+                    help="Mooncake key layouts (LMDB keeps per-layer entries)")
     args = ap.parse_args()
     kinds = args.backends.split(",")
     from vllm_layerwise_patch.mooncake_local import LocalMooncake, free_port
@@ -188,28 +249,33 @@ def main() -> None:
     cluster = None
     if any(k.startswith("mooncake") for k in kinds):
         cluster = LocalMooncake(os.path.join(tmp, "mc"), rpc_port=free_port(),
-                                metrics_port=free_port(), holder=1 << 30,
+                                metrics_port=free_port(), holder=512 << 20,
                                 holder_port=free_port()).start()
     results = []
     try:
-        for page in (160 << 10, 2 << 20):
-            for kind in kinds:
-                total = args.mib_per_pass << 20
-                r = (socket_case(page, total, args.repeats) if kind == "tcp-socket" else
-                     run_case(kind, cluster, page, total, args.repeats, tmp))
-                results.append(r)
-                parts = ", ".join(f"{k} {r['GB_per_s'][k]:5.2f} GB/s "
-                                  f"({r['ratio_to_memcpy'][k]:.2f}x)"
-                                  for k in r["ratio_to_memcpy"])
-                print(f"{kind:>13} {page >> 10:>5} KiB pages: {parts}; memcpy "
-                      f"{r['GB_per_s']['memcpy']:.2f} GB/s", flush=True)
+        cases = [(layers, page, kind, layout)
+                 for layers in map(int, args.layers.split(","))
+                 for page in (160 << 10, 2 << 20) for kind in kinds
+                 for layout in (args.layouts.split(",") if kind.startswith("mooncake")
+                                else ["-"])]
+        for layers, page, kind, layout in cases:
+            total = args.mib_per_pass << 20
+            r = (socket_case(page, total, args.repeats, layers) if kind == "tcp-socket" else
+                 run_case(kind, cluster, page, total, args.repeats, tmp, layers, layout))
+            results.append(r)
+            parts = ", ".join(f"{k} {r['ratio_to_memcpy'][k]:.2f}x"
+                              for k in r["ratio_to_memcpy"])
+            rpc = r.get("master_rpcs")
+            rpc = (f"; master RPCs per hit {rpc['per_hit']:.0f}, per save "
+                   f"{rpc['per_save']:.0f}") if rpc else ""
+            print(f"L{layers:<3}{kind:>13} {layout:>9} {page >> 10:>5} KiB: {parts}; memcpy "
+                  f"{r['GB_per_s']['memcpy']:.2f} GB/s{rpc}", flush=True)
+            _results.write(args.out, TITLE, results)  # (after each case: a partial run counts)
     finally:
         if cluster is not None:
             cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    _results.write(args.out, "pool backends: loads (LayerwisePipeline, into KV "
-                   "pages), fetches (into the backend's registered buffer) and saves "
-                   "(put_many) vs one thread's memcpy, same run", results)
+    _results.write(args.out, TITLE, results)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,29 @@ def test_put_get_exists_upsert_and_group_delete(cluster):
     be.close()
 
 
+def test_drafter_markers_are_put_after_their_pages(cluster):
+    # a drafter's marker (``commit@<t>``) is a marker: it goes in the second
+    # upsert, after every page, so a concurrent lookup never sees it before
+    # the pages it covers.  Negative control: the old test (the key ends in
+    # ``/commit``) took it for a page and put it with the first batch.
+    from vllm_layerwise_patch.pool.keys import is_marker
+
+    be = backend(cluster.master_address)
+    calls, real = [], be._upsert
+    be._upsert = lambda store, items: (calls.append([k for k, _ in items]),
+                                       real(store, items))[1]
+    items = [(b"t9/g/commit@17", pack(NS, b"")), (b"t9/g/commit", pack(NS, b"")),
+             (b"t9/g/L0@17", pack(NS, b"d" * 100)), (b"t9/g/L0", pack(NS, b"a" * 100))]
+    be.put_many(items)
+    assert calls == [[b"t9/g/L0@17", b"t9/g/L0"], [b"t9/g/commit@17", b"t9/g/commit"]]
+    assert be.exists_many([k for k, _ in items]) == [True] * 4
+    assert [k.endswith(b"/commit") for k, _ in items[:2]] == [False, True]  # the old test
+    assert [is_marker(k) for k in (b"a/commit@3", b"a/commit", b"a/L0@3", b"a/commitx",
+                                   b"a/L0")] == [True, True, False, False, False]
+    be.delete_groups([b"t9/g"])
+    be.close()
+
+
 def placement(be, keys: list[bytes]) -> list[str]:
     """The segment (its transfer endpoint) holding each key's value."""
     descs = be._store.batch_get_replica_desc([k.decode() for k in keys])

@@ -19,7 +19,7 @@ from typing import Any
 from .backends.base import CorruptEntry, unpack
 from .backends.lmdb import _GROUP, LmdbBackend
 from .fill import lmdb_fill
-from .keys import COMMIT, group_of
+from .keys import group_of, is_marker
 from .security import check_pool_path
 
 #: entries read per read transaction
@@ -113,8 +113,7 @@ def info(backend: LmdbBackend) -> dict[str, Any]:
     for key, _ in _scan(backend, backend.data, values=False):
         s = space(_namespace(key))
         s["entries"] += 1
-        last = key.rpartition(b"/")[2]
-        if last == COMMIT.encode() or last.startswith(COMMIT.encode() + b"@"):
+        if is_marker(key):
             s["commit_markers"] += 1
     for ns, s in spaces.items():
         s["blocks"], s["ranks"] = len(s["blocks"]), sorted(s["ranks"])

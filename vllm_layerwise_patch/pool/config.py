@@ -105,7 +105,8 @@ class MooncakeConfig(BaseModel):
     local_buffer_size: Size = Field(
         default=256 << 20,
         description="registered staging buffer per process for loads and saves (a quarter "
-                    "must hold one layer's pages of a step)")
+                    "must hold one layer's pages of a step, and with `block_objects` one "
+                    "block's pages of one kind: every layer's)")
     replica_num: int = Field(default=1, ge=1, le=16, description="replicas per entry")
     client_address: Address | None = Field(
         default=None,
@@ -124,6 +125,22 @@ class MooncakeConfig(BaseModel):
                     "(`global_segment_size` > 0; other segments when it is full), so this "
                     "process's own hits are a local copy instead of a transfer; `false`: "
                     "Mooncake places them anywhere in the pool")
+    block_objects: bool = Field(
+        default=True,
+        description="one Mooncake object per block, kind and rank, each layer's page a "
+                    "byte range of it (key format 5: one master operation per block "
+                    "instead of one per layer, its existence the commit); `false`: an "
+                    "object per page plus commit markers (the format-4 layout; "
+                    "measurements only)")
+    hit_cache_seconds: Number = Field(
+        default=2.0, ge=0, le=3600,
+        description="with `block_objects`: the scheduler's hit cache keeps an answer at most "
+                    "this long (and `hit_cache_ttl`); Mooncake says nothing of other "
+                    "engines' saves and of its evictions, so within it a block another "
+                    "engine just saved can be missed and an evicted one taken for a hit "
+                    "(its load fails and the request recomputes); this engine's own saves "
+                    "and removals and a master that went away drop every answer; `0`: no "
+                    "cache")
     reconnect_seconds: Number = Field(
         default=10.0, gt=0, le=3600,
         description="while the master is unreachable, how often to try again")

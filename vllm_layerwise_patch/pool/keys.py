@@ -33,8 +33,10 @@ from typing import Any
 
 from .backends.base import VERSION as VALUE_VERSION
 
-#: the key layout's version
-KEY_VERSION = 4
+#: the key layout's version (5: Mooncake keeps a block's pages of one kind on
+#: one rank as one object, :mod:`.backends.mooncake_objects`; entries of 4
+#: are under other namespaces and never read)
+KEY_VERSION = 5
 #: part of every namespace (:mod:`.identity`): builds that disagree on the
 #: keys or on the value header never share entries, so never delete each
 #: other's groups (header version 3 once came under key format 3, the same
@@ -43,6 +45,7 @@ FORMAT = (KEY_VERSION, VALUE_VERSION)
 ATTN, STATE = "attn", "state"
 KINDS = (ATTN, STATE)
 COMMIT = "commit"
+_COMMIT = COMMIT.encode()
 
 _LAYER = re.compile(r"^(.*?)layers\.(\d+)\.")
 
@@ -104,6 +107,12 @@ def draft_page_key(ns: bytes, block_hash: Any, tp: int, layer: str, token: int |
 
 def draft_marker_key(ns: bytes, block_hash: Any, tp: int, token: int | str) -> bytes:
     return marker_key(ns, ATTN, block_hash, tp) + f"@{token}".encode()
+
+
+def is_marker(key: bytes) -> bool:
+    """A commit marker: ``.../commit`` or a drafter's ``.../commit@<t>``."""
+    last = bytes(key).rpartition(b"/")[2]
+    return last == _COMMIT or last.startswith(_COMMIT + b"@")
 
 
 def group_of(key: bytes) -> bytes:

@@ -45,7 +45,9 @@ class PoolLookup(PoolSide):
                               if n not in layout.drafter_layers],
                        STATE: list(layout.layer_ids(STATE))}
         self.drafter = sorted(layer_id(n) for n in layout.drafter_layers)
-        self.cache = HitCache(config.hit_cache_ttl, config.hit_cache_size)
+        # (Mooncake: a cap, its stores and evictions elsewhere are not seen)
+        ttl = min(config.hit_cache_ttl, getattr(backend, "hit_cache_cap", config.hit_cache_ttl))
+        self.cache = HitCache(ttl, config.hit_cache_size)
         self._gen: Any = None  # the backend's generation (None: nothing is cached)
 
     def next_token(self, request: Any, block: int) -> int | str | None:

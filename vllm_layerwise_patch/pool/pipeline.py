@@ -227,6 +227,12 @@ class LayerwisePipeline:
         self._tasks = {k: v for k, v in tasks.items() if v}
         self._futures = {}
         self._next = 0
+        plan = getattr(self.backend, "plan_loads", None)
+        if plan is not None:  # (Mooncake: whole block objects, see mooncake_whole)
+            try:
+                plan(self._tasks)
+            except Exception:  # noqa: BLE001 - the loads go on as ranges
+                pass
         if self._tasks:
             self._submit_until(self.prefetch)
 

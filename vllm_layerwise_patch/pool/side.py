@@ -26,5 +26,8 @@ class PoolSide:
         self.config = config
         self.layout = layout
         self.block_size = layout.block_size
+        set_layout = getattr(backend, "set_layout", None)
+        if set_layout is not None:  # (Mooncake: one object per block, kind and rank)
+            set_layout(namespace, layout)
         self.log = LogOnce()
         self.faults = faults()  # tests only (see .faults)

@@ -18,10 +18,14 @@ copy).  One batch per layer keeps the layerwise overlap.
 
 Mooncake's semantics, and what the pool does about them:
 
-* a put on an existing key keeps the old value: saves use upsert;
-* no transactions: a block's pages are written first, its commit marker
-  (``.../commit``) only after every page was stored, so a reader never sees
-  half a block;
+* pages are kept as block objects (:mod:`.mooncake_objects`, key format 5:
+  one object per block, kind and rank, each layer a byte range): a put of
+  an object is atomic, its existence the commit - no markers are stored;
+* other keys (and every key with ``block_objects: false``, the per-layer
+  layout): a put on an existing key keeps the old value, so they use
+  upsert; no transactions: a block's pages are written first, its commit
+  marker (``.../commit``, a drafter's ``.../commit@<t>``) only after every
+  page was stored, so a reader never sees half a block;
 * eviction is Mooncake's own (approximate LRU at a high watermark, skipping
   objects under a read lease, silently): a block found at lookup can be gone
   at load - that request takes vLLM's load-failure path and recomputes; the
@@ -54,10 +58,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..config import PREFIX, PoolConfigError
+from ..keys import is_marker
 from ..logs import LogOnce
 from .base import HEADER_SIZE, Backend, BackendError, PoolFull
 from .mooncake_conn import MooncakeConnection
-from .mooncake_io import (MARKER, MISSING, NO_SPACE, TOO_SMALL, UNREACHABLE,
+from .mooncake_objects import BlockObjects
+from .mooncake_io import (MISSING, NO_SPACE, TOO_SMALL, UNREACHABLE,
                           BackendUnavailable, Registered, describe)
 
 logger = logging.getLogger("vllm.layerwise_patch")
@@ -80,7 +86,7 @@ def open_shared(cfg: Any, *, on_unavailable: str, segment: bool) -> MooncakeBack
     return backend
 
 
-class MooncakeBackend(MooncakeConnection, Backend):
+class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
     def __init__(self, cfg: Any, *, on_unavailable: str = "recompute") -> None:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", cfg.local_hostname)
         if cfg.protocol == "tcp":
@@ -91,6 +97,7 @@ class MooncakeBackend(MooncakeConnection, Backend):
         self.log = LogOnce()
         self.refs = 0
         self.closed = False
+        self._init_objects()
         self._init_connection()
         try:
             self._connect()
@@ -117,11 +124,14 @@ class MooncakeBackend(MooncakeConnection, Backend):
 
     # -- reads -----------------------------------------------------------------
     def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
-        keys = [k.decode() for k in keys]
+        """(A page or marker of a block object: whether the object exists.)"""
+        keys = self._names(keys)
         if not keys:
             return []
         store = self._ready()
-        rcs = store.batch_is_exist(keys)
+        unique = list(dict.fromkeys(keys))
+        found = dict(zip(unique, store.batch_is_exist(unique)))
+        rcs = [found[k] for k in keys]
         self._check(rcs, "exists")
         if any(r < 0 for r in rcs):
             raise BackendError(f"Mooncake batch_is_exist returned {sorted(set(rcs))}")
@@ -131,6 +141,15 @@ class MooncakeBackend(MooncakeConnection, Backend):
         if not keys:
             return
         store = self._ready()
+        where = {i: w for i, w in enumerate(map(self._locate, keys)) if w is not None}
+        if where:  # block objects' slots (mooncake_objects)
+            self._read_objects(store, keys, where, consume, sizes)
+            rest = [i for i in range(len(keys)) if i not in where]
+            if rest:
+                self.read_many([keys[i] for i in rest],
+                               lambda j, k, v: consume(rest[j], k, v),
+                               None if sizes is None else [sizes[i] for i in rest])
+            return
         names = [k.decode() for k in keys]
         if sizes is None:  # (callers pass them: the page size is known)
             sizes = [max(store.get_size(k), 1) for k in names]
@@ -177,6 +196,11 @@ class MooncakeBackend(MooncakeConnection, Backend):
         if not keys or not self._memory.covers(ptrs, lengths):
             return None
         store = self._ready()
+        where = [self._locate(k) for k in keys]
+        if all(w is not None for w in where):  # block objects' slots (mooncake_objects)
+            return self._direct_objects(store, keys, where, ptrs, lengths)
+        if any(w is not None for w in where):
+            return None  # (a mix: read_many sorts it out)
         names = [k.decode() for k in keys]
         out: list[bytes | None] = []
         staging = self._staging
@@ -228,25 +252,34 @@ class MooncakeBackend(MooncakeConnection, Backend):
                     raise BackendError(f"Mooncake put of {key!r}: {describe(rc)}")
 
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Pages first; commit markers only once every page is stored."""
+        """Block objects of a layout (:meth:`set_layout`) as whole objects;
+        other keys: pages first, commit markers (a drafter's ``commit@<t>``
+        too) only once every page is stored."""
         if not items:
             return
         store = self._ready()
-        pages = [(k, v) for k, v in items if not k.endswith(MARKER)]
-        markers = [(k, v) for k, v in items if k.endswith(MARKER)]
-        self._upsert(store, pages)
-        self._upsert(store, markers)
+        items, objects = self._split_puts(items)
+        with self._moving("_stores"):
+            if objects:  # block objects (mooncake_objects): no markers
+                self._put_objects(store, objects)
+            pages = [(k, v) for k, v in items if not is_marker(k)]
+            markers = [(k, v) for k, v in items if is_marker(k)]
+            self._upsert(store, pages)
+            self._upsert(store, markers)
 
     def delete(self, keys: Iterable[bytes]) -> None:
-        keys = [k.decode() for k in keys]
+        """(A block object's page: the whole object.)"""
+        keys = list(dict.fromkeys(self._names(keys)))
         if keys:
-            self._check(self._ready().batch_remove(keys, True), "remove")
+            with self._moving("_removals"):
+                self._check(self._ready().batch_remove(keys, True), "remove")
 
     def delete_groups(self, groups: Iterable[bytes]) -> None:
         groups = [g.decode() for g in dict.fromkeys(groups)]
         if groups:
             pattern = "^(" + "|".join(re.escape(g) for g in groups) + ")/"
-            rc = self._ready().remove_by_regex(pattern, True)
+            with self._moving("_removals"):
+                rc = self._ready().remove_by_regex(pattern, True)
             self._check([rc], "remove")
 
     def stats(self) -> dict[str, int]:

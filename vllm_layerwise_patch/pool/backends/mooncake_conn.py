@@ -47,6 +47,9 @@ class MooncakeConnection:
         self._watch_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
         self.attempts = 0  # connect attempts after the first (tests)
+        #: moves when the master goes away and when it answers again (what was
+        #: known of the pool before may be gone: the hit cache starts afresh)
+        self.epoch = 0
 
     def _connect(self) -> None:
         """Set the client up (master reachable) or raise BackendUnavailable."""
@@ -100,6 +103,8 @@ class MooncakeConnection:
                 self._mount()
 
     def _mark_down(self, why: str) -> None:
+        if not self._down:
+            self.epoch += 1
         self._down = True
         self._down_until = time.monotonic() + self.cfg.reconnect_seconds
         self.log.warning("down", "vllm-layerwise-patch pool: %s; the pool serves no hits and "
@@ -150,6 +155,7 @@ class MooncakeConnection:
             self._down_until = time.monotonic() + self.cfg.reconnect_seconds
         else:
             if self._down:
+                self.epoch += 1
                 self._down = False
                 self.log.forget("down")
                 logger.warning("vllm-layerwise-patch pool: Mooncake master at %s answers "

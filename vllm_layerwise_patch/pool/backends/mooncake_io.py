@@ -11,8 +11,7 @@ import queue
 import threading
 from typing import Any
 
-from ..keys import COMMIT
-from .base import VALUE_OFFSET, BackendError
+from .base import HEADER_SIZE, VALUE_OFFSET, BackendError
 
 #: Mooncake Store error codes (mooncake-store types.h) and what they mean here
 CODES = {
@@ -24,7 +23,6 @@ CODES = {
     -900: "master unreachable (RPC_FAIL)",
 }
 MISSING, TOO_SMALL, NO_SPACE, UNREACHABLE = -704, -600, -200, -900
-MARKER = ("/" + COMMIT).encode()
 
 
 class BackendUnavailable(BackendError):
@@ -135,3 +133,13 @@ class Registered:
             if i < 0 or p + n > ends[i]:
                 return False
         return True
+
+
+def slot_value(view: memoryview) -> memoryview:
+    """A slot's value without the slot's padding (its header says how long
+    the payload is; a slot that holds no header is passed whole, for the
+    caller's check to reject)."""
+    if view.nbytes < HEADER_SIZE:
+        return view
+    length = int.from_bytes(view[8:16], "little")
+    return view[:HEADER_SIZE + length] if HEADER_SIZE + length <= view.nbytes else view
