@@ -35,7 +35,7 @@ CONFIGS = {"overlapped": "1", "in-connector": f"-{PATCH_ID}"}
 _CHILD = """
 import json, sys, time
 from vllm import LLM
-from vllm_layerwise_patch.testing.engines import _llm_kwargs
+from vllm_layerwise_patch.testing.engine_child import _llm_kwargs
 from vllm_layerwise_patch.pool import weights
 from vllm_layerwise_patch.testing.engine_controls import observe_weight_reading
 spec = json.loads(sys.argv[1])
