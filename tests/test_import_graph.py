@@ -110,7 +110,7 @@ def _cycle(graph: dict[str, set[str]], members: set[str]) -> list[str]:
                     path = [n]
                     while path[-1] != start:
                         path.append(prev[path[-1]])
-                    return [start] + path[::-1][1:] + [start] if len(path) > 1 else [start, n, start]
+                    return path[::-1] + [start]  # start, ..., n, start
                 if m not in prev:
                     prev[m] = n
                     nxt.append(m)
