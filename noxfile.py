@@ -20,7 +20,7 @@ Levels, honestly labelled in every report:
   fingerprinted from source and the registry's rules say what apply would do
   there (also part of every import session's report); ``plugin`` - the
   vllm-ascend wheel read by the rules of ``registry.plugins``, then doctor
-  with the NPU a stand-in (``testing.fake_npu``).
+  with the NPU a stand-in (``cpu_emulation.fake_npu``).
 
 Reports land in reports/matrix/ (one JSON per build, README.md rendered).
 """

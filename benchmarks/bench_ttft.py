@@ -34,7 +34,8 @@ import tempfile
 CHILD = r"""
 import json, sys
 cfg = json.loads(sys.argv[1])
-from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, tiny_prompt
+from vllm_layerwise_patch.cpu_emulation import cpu_v2_llm_kwargs
+from vllm_layerwise_patch.testing import tiny_prompt
 from vllm import LLM, SamplingParams
 kw = cpu_v2_llm_kwargs(enable_prefix_caching=True, max_num_batched_tokens=cfg["mbt"],
                        disable_log_stats=False)

@@ -76,7 +76,7 @@ def live_fingerprints(targets: list[Target]) -> dict[str, dict]:
     """Registry fingerprints of the importable vLLM (imports the targets)."""
     os.environ.setdefault("VLLM_LAYERWISE_PATCH", "0")  # fingerprint the originals
     from vllm_layerwise_patch.registry import fingerprint, live_object
-    from vllm_layerwise_patch.testing.cpu_v2 import install_cpu_v2_shim
+    from vllm_layerwise_patch.cpu_emulation.cpu_v2 import install_cpu_v2_shim
 
     install_cpu_v2_shim()  # Triton kernels need TRITON_INTERPRET=1 on CPU
     out: dict[str, dict] = {}

@@ -348,7 +348,7 @@ def render() -> str:
         lines.append("")
         if r.get("doctor"):
             d = r["doctor"]
-            lines += [f"doctor with the NPU a stand-in (`vllm_layerwise_patch.testing.fake_npu`; "
+            lines += [f"doctor with the NPU a stand-in (`vllm_layerwise_patch.cpu_emulation.fake_npu`; "
                       f"the wheel read, {d['vllm']} underneath): layerwise path "
                       f"`{d['layerwise_path']}`.", ""]
         for pid, row in r["patches"].items():
@@ -359,11 +359,11 @@ def render() -> str:
 
 def run_fake_npu_doctor(label: str, wheel: str, out: Path) -> str:
     """doctor --json as an NPU host with the plugin would run it, here: the
-    NPU is a stand-in (testing.fake_npu), the plugin's wheel is read, the
+    NPU is a stand-in (cpu_emulation.fake_npu), the plugin's wheel is read, the
     installed vLLM underneath is real (its patches applied, self-checked)."""
     name = label.rpartition(" ")[0]
     env = dict(os.environ, VLLM_LAYERWISE_PATCH="1", VLLM_LAYERWISE_PATCH_CPU_V2="1")
-    proc = subprocess.run([sys.executable, "-m", "vllm_layerwise_patch.testing.fake_npu",
+    proc = subprocess.run([sys.executable, "-m", "vllm_layerwise_patch.cpu_emulation.fake_npu",
                            "--plugin", f"{name}={wheel}", "doctor", "--json"],
                           env=env, capture_output=True, text=True, cwd=str(ROOT / "reports"))
     if proc.returncode not in (0, 1) or not proc.stdout.strip().startswith("{"):

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.vllm
 
 DRIVER = """
 import json, os, sys
-from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, tiny_prompt
+from vllm_layerwise_patch.cpu_emulation import cpu_v2_llm_kwargs
+from vllm_layerwise_patch.testing import tiny_prompt
 from vllm import LLM, SamplingParams
 
 llm = LLM(model=sys.argv[1], **cpu_v2_llm_kwargs(enable_prefix_caching=True))

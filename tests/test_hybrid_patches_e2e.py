@@ -23,7 +23,8 @@ ATTN = "model.layers.3.self_attn.attn"
 DRIVER = r"""
 import json, sys
 cfg = json.loads(sys.argv[1])
-from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, tiny_prompt
+from vllm_layerwise_patch.cpu_emulation import cpu_v2_llm_kwargs
+from vllm_layerwise_patch.testing import tiny_prompt
 from vllm_layerwise_patch.testing import tracing_connector as tc
 from vllm.v1.worker.gpu.model_states import mamba_hybrid
 from vllm.v1.worker import mamba_utils

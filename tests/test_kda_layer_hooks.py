@@ -104,7 +104,7 @@ def test_structural_real_forward_idle_early_exit_saves(applied, pid):
 
 
 def _recording(has_metadata=True):
-    from vllm_layerwise_patch.testing.hook_check import recording_connector_class
+    from vllm_layerwise_patch.selfcheck.hook_check import recording_connector_class
 
     return recording_connector_class()(has_metadata=has_metadata)
 
@@ -114,7 +114,7 @@ def test_structural_protocol_with_stand_in_bodies(originals):
     # connector metadata or attention metadata.
     from vllm.forward_context import get_forward_context
 
-    from vllm_layerwise_patch.testing.hook_check import installed_connector
+    from vllm_layerwise_patch.selfcheck.hook_check import installed_connector
 
     name = "model.layers.1.self_attn"
     layer = types.SimpleNamespace(prefix=name, kv_cache=["conv", "recurrent"])

@@ -22,7 +22,7 @@ def test_per_layer_precopy_moves_exactly_the_bulk_bytes():
     out = run_py(
         """
         import json
-        from vllm_layerwise_patch.testing import precopy_check as pc
+        from vllm_layerwise_patch.selfcheck import precopy_check as pc
         moved = [pc.compare_once(seed) for seed in (0, 1)]
         # negative control: leaving one layer out leaves different bytes
         bulk, part = pc.build_case(0), pc.build_case(0)
@@ -50,7 +50,7 @@ def test_copy_all_is_the_bulk_precopy_and_then_per_layer_calls_do_nothing():
     out = run_py(
         """
         import json
-        from vllm_layerwise_patch.testing import precopy_check as pc
+        from vllm_layerwise_patch.selfcheck import precopy_check as pc
         bulk, allcase, partial = pc.build_case(1), pc.build_case(1), pc.build_case(1)
         before = bulk["raw"].clone()
         pc.run_bulk(bulk)
@@ -77,7 +77,7 @@ def test_layer_hook_protocol_on_the_real_gdn_class():
     out = run_py(
         """
         import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn  # patched on import
-        from vllm_layerwise_patch.testing.hook_check import check_layer_hooks
+        from vllm_layerwise_patch.selfcheck.hook_check import check_layer_hooks
         print("RESULT", check_layer_hooks(
             "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention",
             ["_forward_core", "_forward_core_rocm", "_forward_core_fused_norm_packed",
@@ -110,7 +110,7 @@ def _fake_layer_class(monkeypatch, wrapper):
 def test_hook_check_catches_a_wrong_order(monkeypatch):
     # Negative control for the check itself: save before the body is caught.
     from vllm_layerwise_patch.layer_hooks import hook_context
-    from vllm_layerwise_patch.testing.hook_check import check_layer_hooks
+    from vllm_layerwise_patch.selfcheck.hook_check import check_layer_hooks
 
     def save_first(wrapped, instance, args, kwargs):
         ctx = hook_context()
@@ -128,7 +128,7 @@ def test_hook_check_catches_a_wrong_order(monkeypatch):
 
 def test_hook_check_catches_a_missing_reentrancy_guard(monkeypatch):
     from vllm_layerwise_patch.layer_hooks import method_wrapper
-    from vllm_layerwise_patch.testing.hook_check import check_layer_hooks
+    from vllm_layerwise_patch.selfcheck.hook_check import check_layer_hooks
 
     def unguarded(wrapped, instance, args, kwargs):
         # hooks every entry, nested ones too

@@ -1,6 +1,6 @@
 """Platform plugins (vllm-ascend): which patches a plugin carries, bypasses or
 leaves to the overlay, read from its source - and doctor on an NPU host,
-where the NPU is a stand-in (testing.fake_npu; the plugin is never imported).
+where the NPU is a stand-in (cpu_emulation.fake_npu; the plugin is never imported).
 
 The plugin trees below are synthetic stand-ins written for these tests (a few
 lines each, in the shapes the rules look for), not vllm-ascend code: one in
@@ -170,7 +170,7 @@ def test_without_a_plugin_nothing_changes(tmp_path):
         assert state not in ("carried",), p.id
 
 
-FAKE_NPU_DOCTOR = ("import sys; from vllm_layerwise_patch.testing import fake_npu; "
+FAKE_NPU_DOCTOR = ("import sys; from vllm_layerwise_patch.cpu_emulation import fake_npu; "
                    "sys.exit(fake_npu.main(['--plugin', {plugin!r}, 'doctor', '--json']))")
 
 

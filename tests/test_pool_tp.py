@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_layerwise_patch.testing import build_tiny_qwen3_next, cpu_v2_env
+from vllm_layerwise_patch.cpu_emulation import cpu_v2_env
+from vllm_layerwise_patch.testing import build_tiny_qwen3_next
 from vllm_layerwise_patch.testing.engines import engine_env, kv_metrics, run_engine, toks
 
 pytestmark = pytest.mark.vllm

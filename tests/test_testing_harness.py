@@ -42,7 +42,7 @@ def test_import_is_light():
     out = run_py(
         """
         import sys
-        import vllm_layerwise_patch.testing
+        import vllm_layerwise_patch.cpu_emulation, vllm_layerwise_patch.testing
         print(sorted(m for m in ("torch", "vllm", "triton") if m in sys.modules))
         """,
         env=_shim_free_env(),
@@ -54,7 +54,7 @@ def test_shim_installs_once_and_satisfies_vllm_detection():
     out = run_py(
         """
         import json, os, sys
-        from vllm_layerwise_patch.testing import install_cpu_v2_shim, is_installed
+        from vllm_layerwise_patch.cpu_emulation import install_cpu_v2_shim, is_installed
         before = is_installed()
         first = install_cpu_v2_shim()
         second = install_cpu_v2_shim()
@@ -131,7 +131,7 @@ def test_tiny_tokenizer_and_prompts(tmp_path):
 
 _IN_PROCESS_ENGINE = """
 import json, os, sys
-from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, install_cpu_v2_shim
+from vllm_layerwise_patch.cpu_emulation import cpu_v2_llm_kwargs, install_cpu_v2_shim
 
 install_cpu_v2_shim()  # before vLLM is imported
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -263,7 +263,7 @@ def test_gdn_state_perturbation_changes_output(in_process_run):
 
 _SUBPROCESS_ENGINE = """
 import json, os
-from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs
+from vllm_layerwise_patch.cpu_emulation import cpu_v2_llm_kwargs
 
 def runner_info(worker):
     import os

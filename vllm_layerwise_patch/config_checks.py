@@ -55,7 +55,7 @@ def env_checks() -> list[Check]:
             bool(HAS_TRITON) if v2 else None,
             "Triton usable by vLLM" if HAS_TRITON else
             "vLLM found no usable Triton backend: Model Runner V2 will refuse to "
-            "start (on CPU-only test machines see vllm_layerwise_patch.testing)",
+            "start (on CPU-only machines see vllm_layerwise_patch.cpu_emulation)",
         ))
     return out
 

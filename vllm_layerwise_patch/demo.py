@@ -24,7 +24,8 @@ from pathlib import Path
 
 _CHILD = r"""
 import json, os, sys, time
-from vllm_layerwise_patch.testing import cpu_v2_llm_kwargs, tiny_prompt
+from vllm_layerwise_patch.cpu_emulation import cpu_v2_llm_kwargs
+from vllm_layerwise_patch.testing import tiny_prompt
 from vllm import LLM, SamplingParams
 
 model, extra, out, n = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])

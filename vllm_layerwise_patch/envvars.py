@@ -18,10 +18,10 @@ ENV = "VLLM_LAYERWISE_PATCH"
 FORCE_ENV = "VLLM_LAYERWISE_PATCH_FORCE"
 CPU_V2_ENV = "VLLM_LAYERWISE_PATCH_CPU_V2"
 #: With ``CPU_V2_ENV``: vLLM's mamba pre-copy kernel runs as torch, not in the
-#: Triton interpreter (``testing.torch_precopy``; CPU benchmarks and tests).
+#: Triton interpreter (``cpu_emulation.torch_precopy``; CPU benchmarks and tests).
 CPU_TORCH_PRECOPY_ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_PRECOPY"
 #: With ``CPU_V2_ENV``: vLLM's KV-block zeroing kernel runs as ``memset``, not
-#: in the Triton interpreter (``testing.torch_zeroing``; CPU benchmarks and tests).
+#: in the Triton interpreter (``cpu_emulation.torch_zeroing``; CPU benchmarks and tests).
 CPU_TORCH_ZEROING_ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING"
 #: Both host stand-ins on (the CPU harness's ``+torch-kernels`` runs).
 CPU_TORCH_KERNELS = {CPU_TORCH_PRECOPY_ENV: "1", CPU_TORCH_ZEROING_ENV: "1"}

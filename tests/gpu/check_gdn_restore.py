@@ -128,7 +128,7 @@ def main() -> int:
     if dev.type == "cpu":
         # vllm.triton_utils accepts Triton only with an active driver: the
         # interpreter-only "cpu" backend stand-in of the CPU emulation
-        from vllm_layerwise_patch.testing.cpu_v2 import install_cpu_v2_shim
+        from vllm_layerwise_patch.cpu_emulation.cpu_v2 import install_cpu_v2_shim
 
         install_cpu_v2_shim()
     vllm_sources.use(a.vllm_src)

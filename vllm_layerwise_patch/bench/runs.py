@@ -21,7 +21,7 @@ run; every engine is its own process (``testing.engines``).
 
 On CPU each configuration also runs with vLLM's mamba pre-copy and KV-block
 zeroing kernels on the host (``torch_kernels``: the byte-identical stand-ins
-of ``testing.torch_precopy`` and ``testing.torch_zeroing``): the Triton
+of ``cpu_emulation.torch_precopy`` and ``cpu_emulation.torch_zeroing``): the Triton
 interpreter's cost per kernel launch is an artifact of the emulation, the
 layerwise path launches the pre-copy once per linear-attention layer in a
 step that loads from the pool where vLLM launches it once, and a pool hit's

@@ -185,7 +185,7 @@ def _install(installer) -> None:
 
 
 def _self_check() -> str:
-    from ..testing.precopy_check import compare_bulk_and_per_layer
+    from ..selfcheck.precopy_check import compare_bulk_and_per_layer
 
     return compare_bulk_and_per_layer(seed=0)
 

@@ -59,7 +59,7 @@ def _install(installer) -> None:
 
 
 def _self_check() -> str:
-    from ..testing.hook_check import check_layer_hooks
+    from ..selfcheck.hook_check import check_layer_hooks
 
     return check_layer_hooks(f"{_MODULE}:{_CLS}", ["_forward_core", "forward_cpu"],
                              nested=("_forward_core_fused_norm_packed", "_forward_core"))

@@ -150,7 +150,7 @@ def check_kda_hooks(target: Target) -> str:
     """Self-check body (also used by tests): structure, then the hook protocol
     through the real ``_forward`` on its idle early exit."""
     from ..registry import patch_marker
-    from ..testing.hook_check import installed_connector, recording_connector_class
+    from ..selfcheck.hook_check import installed_connector, recording_connector_class
 
     parent, attr = Installer.resolve_parent(target)
     module = importlib.import_module(target.module)
@@ -272,9 +272,12 @@ def _install_k3(installer: Installer) -> None:
 
 
 def _self_check_k3() -> str:
-    from ..testing.hook_check import check_recoverssm_saves
+    from ..selfcheck.hook_check import check_recoverssm_saves
 
-    return check_kda_hooks(K3_FORWARD) + "; " + check_recoverssm_saves(K3_FORWARD)
+    parent, attr = Installer.resolve_parent(K3_FORWARD)
+    hooked = [f for f in hook_chain(vars(parent)[attr]) if is_hooked(f)]
+    return (check_kda_hooks(K3_FORWARD) + "; "
+            + check_recoverssm_saves(K3_FORWARD, hooked[0] if hooked else None, hook_inner))
 
 
 PATCH_K3 = Patch(

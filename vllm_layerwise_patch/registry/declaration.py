@@ -8,7 +8,8 @@ that installs and self-checks it.  Its documentation is the patch module's
 docstring: ``id: summary`` first, then the ``Field: text`` paragraphs of
 :data:`DOC_FIELDS`.  The summary and the removal condition are read from there
 (:attr:`Patch.summary`, :attr:`Patch.removal`), not declared again, so
-``list``, ``doctor`` and the README render one text.  Building a declaration
+``list``, ``doctor`` and the patch reference (``docs/patches.md``) render one
+text.  Building a declaration
 has no side effect.
 """
 

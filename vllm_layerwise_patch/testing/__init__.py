@@ -1,17 +1,13 @@
-"""Test and demo helpers: CPU emulation of Model Runner V2, tiny hybrid models.
+"""What tests, the demo and ``bench`` use to drive engines: engine processes
+(:mod:`.engines`), an OpenAI-compatible server (:mod:`.server`), the tiny
+hybrid model and tokenizer, a tracing KV connector.  Nothing in production
+imports this package (``tests/test_import_graph.py``); the CPU emulation it
+runs engines under is :mod:`vllm_layerwise_patch.cpu_emulation`.
 
 Importing this package imports neither torch nor vLLM; the helpers import what
-they need when called. ``install_cpu_v2_shim()`` must run before vLLM is
-imported (the package bootstrap does it when ``VLLM_LAYERWISE_PATCH_CPU_V2=1``).
+they need when called.
 """
 
-from .cpu_v2 import (
-    CPU_V2_ENV,
-    cpu_v2_env,
-    cpu_v2_llm_kwargs,
-    install_cpu_v2_shim,
-    is_installed,
-)
 from .tiny_model import (
     TINY_EOS_TOKEN_ID,
     build_tiny_qwen3_next,
@@ -20,13 +16,8 @@ from .tiny_model import (
 )
 
 __all__ = [
-    "CPU_V2_ENV",
     "TINY_EOS_TOKEN_ID",
     "build_tiny_qwen3_next",
-    "cpu_v2_env",
-    "cpu_v2_llm_kwargs",
     "default_tiny_model_dir",
-    "install_cpu_v2_shim",
-    "is_installed",
     "tiny_prompt",
 ]

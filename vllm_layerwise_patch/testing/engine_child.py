@@ -136,7 +136,7 @@ def _llm_kwargs(spec: dict[str, Any], pool: dict[str, Any] | None) -> dict[str, 
     tests' fault injection, no user setting) go to this process's
     ``VLLM_LAYERWISE_PATCH_TEST_FAULTS`` instead."""
     from ..pool.faults import FAULTS_ENV, split
-    from .cpu_v2 import cpu_v2_llm_kwargs
+    from ..cpu_emulation.cpu_v2 import cpu_v2_llm_kwargs
 
     pool, faults = split(pool)
     if faults:

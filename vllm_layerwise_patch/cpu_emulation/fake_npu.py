@@ -10,7 +10,7 @@ patches that apply installed and self-checked), the plugin's own source (the
 rules of :mod:`vllm_layerwise_patch.registry.plugins` read it as they read
 an installed vllm-ascend's files).
 
-    python -m vllm_layerwise_patch.testing.fake_npu \\
+    python -m vllm_layerwise_patch.cpu_emulation.fake_npu \\
         --plugin "vllm-ascend=vllm_ascend-0.26.0rc1-...whl" doctor --json
 
 The plugin's version comes from its metadata (``*.dist-info/METADATA``).
@@ -51,16 +51,24 @@ def install(plugins: list[tuple[str, str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_layerwise_patch.testing.fake_npu",
+    ap = argparse.ArgumentParser(prog="python -m vllm_layerwise_patch.cpu_emulation.fake_npu",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--plugin", action="append", default=[], metavar="NAME=PATH",
                     help="a platform plugin's wheel or unpacked tree, e.g. vllm-ascend=X.whl")
-    ap.add_argument("rest", nargs=argparse.REMAINDER, help="the vllm_layerwise_patch command")
+    ap.add_argument("rest", nargs=argparse.REMAINDER, help="doctor and its options")
     args = ap.parse_args(argv)
+    if args.rest[:1] != ["doctor"]:
+        ap.error(f"the command after the options must be doctor, not {args.rest[:1]}")
     install([tuple(p.split("=", 1)) for p in args.plugin])
-    from ..__main__ import main as cli
+    # doctor itself, not the command line (``__main__``): that one dispatches
+    # to the demo and bench too, which drive engines through ``testing``
+    from .. import doctor
 
-    return cli(args.rest)
+    dp = argparse.ArgumentParser(prog="doctor")
+    doctor.add_arguments(dp)
+    # as the command line does: vLLM logs to stdout, keep it for the report
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    return doctor.run(dp.parse_args(args.rest[1:]))
 
 
 if __name__ == "__main__":

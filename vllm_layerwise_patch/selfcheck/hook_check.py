@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -127,7 +127,8 @@ def check_layer_hooks(cls_path: str, methods: list[str],
             "metadata" + ("; nested entry points hook once" if nested else ""))
 
 
-def check_recoverssm_saves(target: Any) -> str:
+def check_recoverssm_saves(target: Any, hooked: Any,
+                           hook_inner: Callable[..., Any]) -> str:
     """The ``kda-k3-layer-hooks`` RecoverSSM path on the installed vLLM's own
     ``RecoverSSMState`` (``record_step`` / ``commit_step``, patched) and
     ``RecoverSSMMetadata``: a layer hooked as the patch hooks ``_forward``
@@ -136,18 +137,19 @@ def check_recoverssm_saves(target: Any) -> str:
     the save comes right after the release's ``commit_step`` ran the commit.
     Negative controls: ``commit_step`` without our wrapper commits but saves
     nothing; a commit_step that commits nothing drops the held save; a step
-    without a commit saves at the layer's exit."""
+    without a commit saves at the layer's exit.
+
+    ``hooked`` is the patch's hooked ``_forward`` found on ``target`` (None
+    when there is none), ``hook_inner`` the patch's factory of such functions:
+    the patch passes both, so this module imports no patch module."""
     import torch
     from vllm.v1.attention.backends.recoverssm_metadata import RecoverSSMMetadata
     from vllm.v1.worker.gpu.model_states.recoverssm import RecoverSSMState
 
     from ..layer_hooks import pending_saves, pending_saves_clear
-    from ..patches.kda_layer_hooks import hook_chain, hook_inner, is_hooked
-    from ..registry import Installer, patch_marker
+    from ..registry import patch_marker
 
-    parent, attr = Installer.resolve_parent(target)
-    hooked = [f for f in hook_chain(vars(parent)[attr]) if is_hooked(f)]
-    policy = getattr(hooked[0], "_vlp_save_after_commit", None) if hooked else None
+    policy = getattr(hooked, "_vlp_save_after_commit", None)
     assert policy is not None, f"{target.qualname}: hooked without the RecoverSSM save policy"
     commit_step = vars(RecoverSSMState)["commit_step"]
     pid = patch_marker(commit_step)
