@@ -61,7 +61,7 @@ def test_an_unusable_pool_file_is_named_and_left_as_it_was(tmp_path, make, why):
 
 def test_the_connector_serves_without_an_unusable_pool_and_says_so_once(tmp_path, caplog):
     from vllm_layerwise_patch.pool.backends.base import NoPool
-    from vllm_layerwise_patch.pool.connector import open_backend
+    from vllm_layerwise_patch.pool.opening import open_backend
 
     path, data = _damaged(tmp_path)
     config = PoolConfig.from_extra({"path": str(path), "capacity": "8MiB"})
