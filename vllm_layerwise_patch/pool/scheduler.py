@@ -57,12 +57,8 @@ class PoolScheduler:
                  namespace: bytes, config: Any) -> None:
         side = PoolSide.open(layout=layout, backend=backend, namespace=namespace, config=config)
         self.hits = PoolLookup(side)  # the hit lookup (its cache, the backend generation)
-        self.ns = namespace
-        self.layout = layout
-        self.block_size = layout.block_size
-        self.tp_size = layout.tp_size
-        self.log = side.log
-        self.faults = side.faults
+        self.ns, self.layout, self.log, self.faults = namespace, layout, side.log, side.faults
+        self.block_size, self.tp_size = layout.block_size, layout.tp_size
         self._pending: dict[str, int] = {}  # req_id -> hit blocks (lookup -> alloc)
         self.pins = Pins(backend, config.pin_seconds)
         self._failures_seen: list[str] = []  # for the workers (PoolMetadata)
