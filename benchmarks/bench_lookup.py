@@ -48,7 +48,7 @@ def fill(sched: PoolScheduler, hashes: list[bytes]) -> None:
         items += [(page_key(NS, ATTN, h, 0, "3"), page), (marker_key(NS, ATTN, h, 0), pack(NS, b""))]
         items += [(page_key(NS, STATE, h, 0, str(i)), page) for i in range(3)]
         items += [(marker_key(NS, STATE, h, 0), pack(NS, b""))]
-    sched.backend.put_many(items)
+    sched.hits.backend.put_many(items)
 
 
 def run(ttl: float, requests: int, tmp: str) -> dict:
@@ -59,14 +59,14 @@ def run(ttl: float, requests: int, tmp: str) -> dict:
     for r in range(requests):
         req = types.SimpleNamespace(block_hashes=hashes, num_tokens=BLOCKS * BLOCK + 1,
                                     request_id=f"r{r}", all_token_ids=[])
-        before = sum(sched.backend.calls.values())
+        before = sum(sched.hits.backend.calls.values())
         t0 = time.perf_counter()
         hit, _ = sched.get_num_new_matched_tokens(req, 0)
         per_request.append(time.perf_counter() - t0)
-        calls.append(sum(sched.backend.calls.values()) - before)
+        calls.append(sum(sched.hits.backend.calls.values()) - before)
         assert hit == BLOCKS * BLOCK
         sched.request_finished(req)
-    sched.backend.close()
+    sched.hits.backend.close()
     steady = per_request[1:]
     return {"hit_cache_ttl": ttl, "requests": requests, "hit_blocks": BLOCKS,
             "first_request_ms": round(per_request[0] * 1e3, 3),

@@ -307,7 +307,7 @@ def _serve_and_store(conn, req):
         for h, _ in save.mamba:
             items += [(page_key(NS, STATE, h, 0, "1"), pack(NS, b"s")),
                       (marker_key(NS, STATE, h, 0), pack(NS, b""))]
-    conn._sched.backend.put_many(items)
+    conn._sched.hits.backend.put_many(items)
     conn.request_finished(req, [])
     return names
 
@@ -344,10 +344,10 @@ def test_negative_control_adapter_keys_by_name_and_path_hit_after_a_change(tmp_p
 def test_an_adapter_without_files_here_does_not_use_the_pool(tmp_path, caplog):
     conn = _connector(tmp_path)
     _serve_and_store(conn, _request("r1", HASHES))  # the plain prompt is stored
-    calls = dict(conn._sched.backend.calls)
+    calls = dict(conn._sched.hits.backend.calls)
     gone = _request("r2", HASHES, tmp_path / "no-such-adapter")
     assert conn.get_num_new_matched_tokens(gone, 0) == (0, False)
-    assert dict(conn._sched.backend.calls) == calls  # not even looked up
+    assert dict(conn._sched.hits.backend.calls) == calls  # not even looked up
     assert "has no files here to fingerprint" in caplog.text
     new = types.SimpleNamespace(req_id="r2", num_computed_tokens=0,
                                 block_ids=([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]))

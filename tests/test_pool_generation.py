@@ -45,7 +45,7 @@ def _scheduler(path):
         for kind, layer in ((ATTN, "0"), (STATE, "1")):
             items += [(page_key(NS, kind, h, 0, layer), pack(NS, b"x" * 8)),
                       (marker_key(NS, kind, h, 0), pack(NS, b""))]
-    sched.backend.put_many(items)
+    sched.hits.backend.put_many(items)
     req = types.SimpleNamespace(block_hashes=hashes, num_tokens=BLOCKS * 4 + 1,
                                 request_id="r")
     return sched, req
@@ -53,9 +53,9 @@ def _scheduler(path):
 
 def _cached_lookup(sched, req) -> tuple[int, int]:
     """(hit blocks, backend calls the lookup made)."""
-    before = sum(sched.backend.calls.values())
-    k = sched.lookup(req, 0)
-    return k, sum(sched.backend.calls.values()) - before
+    before = sum(sched.hits.backend.calls.values())
+    k = sched.hits.lookup(req, 0)
+    return k, sum(sched.hits.backend.calls.values()) - before
 
 
 WRITER = """
@@ -111,14 +111,14 @@ def test_a_writer_killed_between_a_removal_and_its_generation_bump(tmp_path, how
     writer = _writer(path, how, group_key(NS, ATTN, req.block_hashes[2], 0), faults)
     rc, out = _go(writer)
     assert rc == -signal.SIGKILL and "done" not in out  # killed inside the removal
-    assert sched.backend.exists_many([marker_key(NS, ATTN, req.block_hashes[2], 0)]) == [False]
+    assert sched.hits.backend.exists_many([marker_key(NS, ATTN, req.block_hashes[2], 0)]) == [False]
     assert _cached_lookup(sched, req)[0] == expect
     if order == "late" or expect == 0:  # (a miss is cached whatever the removals)
         return
     # the killed writer left the removal counter odd: hits are not cached
     # (each lookup asks the pool) until the next store settles it
     assert _cached_lookup(sched, req)[1] > 0
-    sched.backend.put_many([(b"other/tp0/L0", pack(NS, b"y"))])
+    sched.hits.backend.put_many([(b"other/tp0/L0", pack(NS, b"y"))])
     assert _cached_lookup(sched, req)[1] > 0
     assert _cached_lookup(sched, req) == (expect, 0)
 

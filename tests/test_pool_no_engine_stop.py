@@ -61,7 +61,7 @@ def test_an_unusable_pool_file_is_named_and_left_as_it_was(tmp_path, make, why):
 
 def test_the_connector_serves_without_an_unusable_pool_and_says_so_once(tmp_path, caplog):
     from vllm_layerwise_patch.pool.backends.base import NoPool
-    from vllm_layerwise_patch.pool.connector import open_backend
+    from vllm_layerwise_patch.pool.opening import open_backend
 
     path, data = _damaged(tmp_path)
     config = PoolConfig.from_extra({"path": str(path), "capacity": "8MiB"})
@@ -92,7 +92,7 @@ def _hybrid_scheduler(tmp_path):
                           layout=layout, backend=LmdbBackend(str(tmp_path / "p"), 8 << 20),
                           namespace=ns, config=PoolConfig.from_extra({}))
     hashes = [bytes([i]) * 8 for i in range(4)]
-    sched.backend.put_many([item for h in hashes for kind, layer in ((ATTN, "0"), (STATE, "1"))
+    sched.hits.backend.put_many([item for h in hashes for kind, layer in ((ATTN, "0"), (STATE, "1"))
                             for item in ((page_key(ns, kind, h, 0, layer), pack(ns, b"x" * 8)),
                                          (marker_key(ns, kind, h, 0), pack(ns, b"")))])
     req = types.SimpleNamespace(block_hashes=hashes, num_tokens=17, request_id="r",

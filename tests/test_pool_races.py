@@ -256,7 +256,7 @@ def test_a_foreign_default_path_falls_back_and_a_configured_one_is_refused(
     """The connector's own opening (default path pointed into ``base``)."""
     from vllm_layerwise_patch.pool import paths
     from vllm_layerwise_patch.pool.config import PoolConfig
-    from vllm_layerwise_patch.pool.connector import open_backend
+    from vllm_layerwise_patch.pool.opening import open_backend
 
     attacker = people[1]
     default = base / "vllm-layerwise-pool-0"

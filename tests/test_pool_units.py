@@ -595,10 +595,10 @@ def _store(sched, hashes, blocks, kind):
 
     items = []
     for i in blocks:
-        for layer in sched.target[kind]:
+        for layer in sched.hits.target[kind]:
             items.append((page_key(NS, kind, hashes[i], 0, layer), pack(NS, b"x" * 8)))
         items.append((marker_key(NS, kind, hashes[i], 0), pack(NS, b"")))
-    sched.backend.put_many(items)
+    sched.hits.backend.put_many(items)
 
 
 def _committed(sched, n):
@@ -631,19 +631,19 @@ def test_lookup_ends_at_the_last_stored_boundary_state(tmp_path):
     sched = _scheduler(tmp_path)
     hashes = [bytes([i]) * 8 for i in range(5)]
     req = _req(hashes, 5 * 4 + 2)
-    assert sched.lookup(req, 0) == 0  # empty pool
+    assert sched.hits.lookup(req, 0) == 0  # empty pool
     _store(sched, hashes, range(5), ATTN)
-    assert sched.lookup(req, 0) == 0  # attention alone is not a hybrid hit
+    assert sched.hits.lookup(req, 0) == 0  # attention alone is not a hybrid hit
     _store(sched, hashes, [1, 3], STATE)
-    assert sched.lookup(req, 0) == 4  # state at the end of block 3
-    assert sched.lookup(req, 8) == 4  # beyond a local hit of 2 blocks
-    assert sched.lookup(req, 16) == 0  # cannot beat a local hit of 4
+    assert sched.hits.lookup(req, 0) == 4  # state at the end of block 3
+    assert sched.hits.lookup(req, 8) == 4  # beyond a local hit of 2 blocks
+    assert sched.hits.lookup(req, 16) == 0  # cannot beat a local hit of 4
     # a full-prompt hit leaves one token to compute
     exact = _req(hashes[:4], 16)
-    assert sched.lookup(exact, 0) == 2  # cap (16-1)//4 = 3 blocks; state after block 1
+    assert sched.hits.lookup(exact, 0) == 2  # cap (16-1)//4 = 3 blocks; state after block 1
     # first attention miss stops the walk
-    sched.backend.delete([marker_key(NS, ATTN, hashes[2], 0)])
-    assert sched.lookup(req, 0) == 2
+    sched.hits.backend.delete([marker_key(NS, ATTN, hashes[2], 0)])
+    assert sched.hits.lookup(req, 0) == 2
 
 
 def test_lookup_names_blocks_by_the_hash_at_their_last_unit(tmp_path):
@@ -658,15 +658,15 @@ def test_lookup_names_blocks_by_the_hash_at_their_last_unit(tmp_path):
     names = [stored[4 * i + 3] for i in range(3)]
     _store(sched, names, range(3), ATTN)
     _store(sched, names, range(3), STATE)
-    assert sched.lookup(_req(stored, 25), 0) == 3
+    assert sched.hits.lookup(_req(stored, 25), 0) == 3
     # shares units 0..4 (one block and one unit): one block
     other = stored[:5] + [bytes([2, i]) * 4 for i in range(5, 12)]
-    assert sched.lookup(_req(other, 25), 0) == 1
+    assert sched.hits.lookup(_req(other, 25), 0) == 1
     # shares only the first unit: nothing
     first = stored[:1] + [bytes([3, i]) * 4 for i in range(1, 12)]
-    assert sched.lookup(_req(first, 25), 0) == 0
+    assert sched.hits.lookup(_req(first, 25), 0) == 0
     # a request hashed at another granularity than the layout says: no lookup
-    assert sched.lookup(_req(stored[:6], 25), 0) == 0
+    assert sched.hits.lookup(_req(stored[:6], 25), 0) == 0
 
 
 def _mtp_scheduler(tmp_path, rule="next-token"):
@@ -697,41 +697,41 @@ def _store_mtp(sched, hashes, tokens, blocks):
                   (draft_marker_key(NS, hashes[i], 0, tok), pack(NS, b"")),
                   (page_key(NS, STATE, hashes[i], 0, "1"), v),
                   (marker_key(NS, STATE, hashes[i], 0), pack(NS, b""))]
-    sched.backend.put_many(items)
+    sched.hits.backend.put_many(items)
 
 
 def test_drafter_pages_hit_whole_blocks_when_the_next_token_matches(tmp_path):
     sched = _mtp_scheduler(tmp_path)
-    assert sched.drafter == ["mtp.0"]
+    assert sched.hits.drafter == ["mtp.0"]
     hashes = [bytes([i]) * 8 for i in range(4)]
     tokens = list(range(100, 117))  # 17 tokens: 4 blocks + 1
     _store_mtp(sched, hashes, tokens, range(4))
     same = types.SimpleNamespace(block_hashes=hashes, num_tokens=17, request_id="r",
                                  all_token_ids=tokens)
-    assert sched.lookup(same, 0) == 4  # no blanket trim
+    assert sched.hits.lookup(same, 0) == 4  # no blanket trim
     # continues differently after block 3 (token 16): block 3's drafter page
     # is another token's, so the hit ends one block earlier
     other = types.SimpleNamespace(block_hashes=hashes, num_tokens=17, request_id="q",
                                   all_token_ids=tokens[:16] + [999])
-    assert sched.lookup(other, 0) == 3
+    assert sched.hits.lookup(other, 0) == 3
     # the old rule: one block off every hit
     trim = _mtp_scheduler(tmp_path / "trim", rule="trim")
     _store_mtp(trim, hashes, ["any"] * 17, range(4))
-    assert trim.lookup(same, 0) == 3 and trim.lookup(other, 0) == 3
+    assert trim.hits.lookup(same, 0) == 3 and trim.hits.lookup(other, 0) == 3
 
 
 def test_repeated_lookups_of_a_cached_prefix_make_no_backend_call(stored):
     sched, hashes = stored
     req = _req(hashes, 4 * 4 + 1, rid="r1")
     assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
-    before = dict(sched.backend.calls)
+    before = dict(sched.hits.backend.calls)
     for _ in range(5):  # vLLM asks again while the request waits for KV space
         assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
-    assert dict(sched.backend.calls) == before
+    assert dict(sched.hits.backend.calls) == before
     # another request, same prefix: cached markers and verification
     other = _req(hashes, 4 * 4 + 1, rid="r2")
     assert sched.get_num_new_matched_tokens(other, 0) == (16, False)
-    assert {k: v - before.get(k, 0) for k, v in sched.backend.calls.items()
+    assert {k: v - before.get(k, 0) for k, v in sched.hits.backend.calls.items()
             if v != before.get(k, 0)} == {"pin": 1}  # its own pins only
 
 
@@ -739,15 +739,15 @@ def test_a_block_another_process_saves_after_a_cached_miss_hits_next_time(stored
     sched, hashes = stored
     more = hashes + [bytes([9]) * 8]
     req = _req(more, 5 * 4 + 1)
-    assert sched.lookup(req, 0) == 4  # block 4 is a (cached) miss
-    assert sched.lookup(req, 0) == 4
+    assert sched.hits.lookup(req, 0) == 4  # block 4 is a (cached) miss
+    assert sched.hits.lookup(req, 0) == 4
     code = textwrap.dedent(f"""
         import sys
         sys.path[:0] = {sys.path!r}
         from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
         from vllm_layerwise_patch.pool.backends.base import pack
         from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
-        be = LmdbBackend({sched.backend.path!r}, 64 << 20)
+        be = LmdbBackend({sched.hits.backend.path!r}, 64 << 20)
         h, ns = {more[4]!r}, {NS!r}
         be.put_many([(page_key(ns, ATTN, h, 0, "0"), pack(ns, b"x" * 8)),
                      (marker_key(ns, ATTN, h, 0), pack(ns, b"")),
@@ -755,17 +755,17 @@ def test_a_block_another_process_saves_after_a_cached_miss_hits_next_time(stored
                      (marker_key(ns, STATE, h, 0), pack(ns, b""))])
         """)
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert sched.lookup(req, 0) == 5
+    assert sched.hits.lookup(req, 0) == 5
 
 
 def test_an_evicted_block_is_never_a_hit_from_the_cache(stored):
     sched, hashes = stored
     req = _req(hashes, 4 * 4 + 1)
-    assert sched.lookup(req, 0) == 4 and sched.lookup(req, 0) == 4  # cached
+    assert sched.hits.lookup(req, 0) == 4 and sched.hits.lookup(req, 0) == 4  # cached
     from vllm_layerwise_patch.pool.keys import ATTN, group_key
 
-    sched.backend.delete_groups([group_key(NS, ATTN, hashes[2], 0)])  # as eviction does
-    assert sched.lookup(req, 0) == 2
+    sched.hits.backend.delete_groups([group_key(NS, ATTN, hashes[2], 0)])  # as eviction does
+    assert sched.hits.lookup(req, 0) == 2
 
 
 def test_eight_requests_sharing_a_prefix_read_each_key_once_per_step(tmp_path):
@@ -780,15 +780,14 @@ def test_eight_requests_sharing_a_prefix_read_each_key_once_per_step(tmp_path):
     worker = PoolWorker(vllm_config=None, layout=layout, namespace=NS,
                         backend=LmdbBackend(str(tmp_path / "p"), 64 << 20),
                         config=PoolConfig.from_extra({}))
-    worker.caches = {n: torch.zeros(40, 64, dtype=torch.uint8) for n in layout.order}
-    worker.order = list(layout.order)
+    worker.pages.register({n: torch.zeros(40, 64, dtype=torch.uint8) for n in layout.order})
     hashes = [b"a" * 8, b"b" * 8]
     loads = [LoadSpec(f"r{i}", 0, 2, hashes, {0: [2 + 4 * i, 3 + 4 * i]}, {1: 3 + 4 * i}, {})
              for i in range(8)]
-    tasks = worker._load_tasks(PoolMetadata(loads, []), bulk=False)
+    tasks = worker.loads.tasks(PoolMetadata(loads, []), bulk=False)
     assert [len(tasks[n]) for n in layout.order] == [2, 1]  # distinct keys
     assert all(len(dests) == 8 for items in tasks.values() for _, dests in items)
-    assert worker._owners["model.layers.1.x"] == [[f"r{i}" for i in range(8)]]
+    assert worker.loads.owners["model.layers.1.x"] == [[f"r{i}" for i in range(8)]]
 
 
 def test_lookup_verification_shortens_the_hit_and_drops_the_block(stored):
@@ -796,20 +795,20 @@ def test_lookup_verification_shortens_the_hit_and_drops_the_block(stored):
 
     sched, hashes = stored
     req = _req(hashes, 4 * 4 + 1)
-    assert sched.lookup(req, 0) == 4
+    assert sched.hits.lookup(req, 0) == 4
     key = page_key(NS, STATE, hashes[3], 0, "1")
-    sched.backend.put_many([(key, pack(NS, b"x" * 8)[:-3])])  # truncated state at block 3
-    assert sched.lookup(req, 0) == 3
+    sched.hits.backend.put_many([(key, pack(NS, b"x" * 8)[:-3])])  # truncated state at block 3
+    assert sched.hits.lookup(req, 0) == 3
     # the whole block's state group went, marker included: it can be saved again
-    assert sched.backend.exists_many([key, marker_key(NS, STATE, hashes[3], 0)]) == [False] * 2
+    assert sched.hits.backend.exists_many([key, marker_key(NS, STATE, hashes[3], 0)]) == [False] * 2
     key = page_key(NS, ATTN, hashes[1], 0, "0")
-    sched.backend.put_many([(key, pack(b"O" * 16, b"x" * 8))])  # foreign attention page
-    assert sched.lookup(req, 0) == 1
+    sched.hits.backend.put_many([(key, pack(b"O" * 16, b"x" * 8))])  # foreign attention page
+    assert sched.hits.lookup(req, 0) == 1
     assert sched.log.seen == {"truncated", "foreign-namespace"}
     # a page that vanished (its marker stayed): the marker is dropped too
-    sched.backend.delete([page_key(NS, ATTN, hashes[0], 0, "0")])
-    assert sched.lookup(req, 0) == 0
-    assert sched.backend.exists_many([marker_key(NS, ATTN, hashes[0], 0)]) == [False]
+    sched.hits.backend.delete([page_key(NS, ATTN, hashes[0], 0, "0")])
+    assert sched.hits.lookup(req, 0) == 0
+    assert sched.hits.backend.exists_many([marker_key(NS, ATTN, hashes[0], 0)]) == [False]
 
 
 def test_a_hit_pins_and_refreshes_what_its_load_reads(stored):
@@ -826,7 +825,7 @@ def test_a_hit_pins_and_refreshes_what_its_load_reads(stored):
             group_key(NS, STATE, hashes[2], 0)}
     # pinned before they were verified, and nothing else (pinning refreshes)
     assert set(pinned) == load
-    be = sched.backend
+    be = sched.hits.backend
     now = struct.pack(">d", time.time())
     with be._txn() as txn:
         assert all(be._pinned(txn, g, now) for g in pinned)
@@ -845,7 +844,7 @@ def test_a_backend_error_in_a_lookup_is_a_miss(stored, caplog):
     sched, hashes = stored
     req = _req(hashes[:3], 3 * 4 + 1)
     assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
-    sched.backend = FaultInjectingBackend(sched.backend, "lookup")
+    sched.hits.backend = FaultInjectingBackend(sched.hits.backend, "lookup")
     with caplog.at_level("WARNING", logger="vllm.layerwise_patch"):
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -954,10 +953,10 @@ def test_kv_role_decides_lookups_and_saves(tmp_path, role):
         assert [h for h, _ in meta.saves[0].mamba] == [hashes[1]]
     _store(sched, hashes, range(3), ATTN)
     _store(sched, hashes, range(3), STATE)
-    before = dict(sched.backend.calls)
+    before = dict(sched.hits.backend.calls)
     got = sched.get_num_new_matched_tokens(_req(hashes, 3 * 4 + 1, rid="hit"), 0)
     assert got == ((12, False) if loads else (0, False))
-    assert (dict(sched.backend.calls) != before) == loads
+    assert (dict(sched.hits.backend.calls) != before) == loads
 
 
 def test_async_hit_is_loaded_outside_the_forward_and_keeps_its_pins(tmp_path):
@@ -981,7 +980,7 @@ def test_async_hit_is_loaded_outside_the_forward_and_keeps_its_pins(tmp_path):
     assert sched.build_connector_meta(_step()).async_loads == []  # handed over once
     pinned = sorted([group_key(NS, ATTN, hashes[1], 0), group_key(NS, ATTN, hashes[2], 0),
                      group_key(NS, STATE, hashes[2], 0)])
-    be = sched.backend
+    be = sched.hits.backend
     now = struct.pack(">d", time.time())
 
     def pins():
@@ -1027,13 +1026,13 @@ def test_a_request_reloaded_after_a_preemption_pins_again(stored):
     sched, hashes = stored
     req = _req(hashes, 4 * 4 + 1, rid="re")
     assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
-    pins = sched.backend.calls["pin"]
+    pins = sched.hits.backend.calls["pin"]
     assert sched.get_num_new_matched_tokens(req, 0) == (16, False)  # still waiting
-    assert sched.backend.calls["pin"] == pins
+    assert sched.hits.backend.calls["pin"] == pins
     blocks = types.SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5], [0, 0, 0, 6, 0]))
     sched.update_state_after_alloc(req, blocks, 16)
     assert sched.get_num_new_matched_tokens(req, 0) == (16, False)  # after a preemption
-    assert sched.backend.calls["pin"] == pins + 1
+    assert sched.hits.backend.calls["pin"] == pins + 1
 
 
 @pytest.mark.parametrize("attr", ["prompt_logprobs", "skip_reading_prefix_cache"])
@@ -1045,9 +1044,9 @@ def test_a_request_vllm_serves_without_its_cache_is_neither_looked_up_nor_pinned
         req.sampling_params = types.SimpleNamespace(prompt_logprobs=1)
     else:
         req.skip_reading_prefix_cache = True
-    before = dict(sched.backend.calls)
+    before = dict(sched.hits.backend.calls)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert dict(sched.backend.calls) == before and "nocache" not in sched.pins.held
+    assert dict(sched.hits.backend.calls) == before and "nocache" not in sched.pins.held
     # the same request otherwise: a hit (the test can fail)
     assert sched.get_num_new_matched_tokens(_req(hashes, 4 * 4 + 1, rid="x"), 0) == (16, False)
 
@@ -1092,23 +1091,23 @@ def test_a_removal_between_the_walk_and_the_pin_shortens_the_hit(tmp_path, verif
     from vllm_layerwise_patch.pool.keys import ATTN, group_key
 
     def remove(sched, hashes):
-        return lambda *_: sched.backend.delete_groups([group_key(NS, ATTN, hashes[2], 0)])
+        return lambda *_: sched.hits.backend.delete_groups([group_key(NS, ATTN, hashes[2], 0)])
 
     sched = _scheduler(tmp_path, verify=verify)
     hashes = _committed(sched, 4)
     req = _req(hashes, 4 * 4 + 1)
-    assert sched.lookup(req, 0) == 4  # cached now
-    assert sched.lookup(req, 0, pin=remove(sched, hashes)) == 2
-    assert sched.lookup(req, 0) == 2
+    assert sched.hits.lookup(req, 0) == 4  # cached now
+    assert sched.hits.lookup(req, 0, pin=remove(sched, hashes)) == 2
+    assert sched.hits.lookup(req, 0) == 2
     # negative control: the generation not noted again after the pin - the
     # cache answers with the walk's generation and the removed block is a hit
     stale = _scheduler(tmp_path / "stale", verify=verify)
     hashes = _committed(stale, 4)
-    assert stale.lookup(req, 0) == 4
-    noted = stale.note_generation
+    assert stale.hits.lookup(req, 0) == 4
+    noted = stale.hits.note_generation
 
     def once():
         noted()
-        stale.note_generation = lambda: None
-    stale.note_generation = once
-    assert stale.lookup(req, 0, pin=remove(stale, hashes)) == 4
+        stale.hits.note_generation = lambda: None
+    stale.hits.note_generation = once
+    assert stale.hits.lookup(req, 0, pin=remove(stale, hashes)) == 4

@@ -104,7 +104,7 @@ class Model:
         return [self.hit + i for i in self.save_ids(name)]
 
     def page(self, name: str, block: int):
-        return self.cache[name][block]  # (PoolWorker.page: the block's bytes)
+        return self.cache[name][block]  # (RankPages.page: the block's bytes)
 
     def keys(self, name: str, tag: str) -> list[bytes]:
         from vllm_layerwise_patch.pool.keys import layer_id, page_key
@@ -155,7 +155,7 @@ def run_case(dev, a, page_bytes: int, pool_root: str | None, checks) -> dict:
     fields = PoolConfig.model_fields
     prefetch = fields["prefetch_layers"].default
     threads = fields["load_threads"].default
-    check_crc = not fields["verify_on_lookup"].default  # as PoolWorker builds it
+    check_crc = not fields["verify_on_lookup"].default  # as WorkerLoads builds it
     m = Model(dev, a.layers, a.hit_blocks, page_bytes, a.compute_ms)
     moved = m.pages_moved() * page_bytes
     path = tempfile.mkdtemp(prefix="vlp-gpu-pipe-", dir=pool_root)

@@ -32,21 +32,31 @@ from .backends.base import HEADER_SIZE, CorruptEntry, unpack
 from .hit_cache import HitCache
 from .keys import (ATTN, STATE, draft_marker_key, draft_page_key, group_key, layer_id,
                    marker_key, page_key)
-from .layout import PoolLayout
 from .side import PoolSide
 
 
-class PoolLookup(PoolSide):
-    def __init__(self, *, layout: PoolLayout, backend: Any, namespace: bytes,
-                 config: Any) -> None:
-        super().__init__(layout=layout, backend=backend, namespace=namespace, config=config)
+class PoolLookup:
+    """The scheduler's hit lookup (:class:`.scheduler.PoolScheduler` holds
+    one); it owns the hit cache and the backend generation its answers are
+    valid for."""
+
+    def __init__(self, side: PoolSide) -> None:
+        layout, config = side.layout, side.config
+        self.backend = side.backend
+        self.ns = side.ns
+        self.config = config
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.log = side.log
+        self.faults = side.faults
         self.tp_size = layout.tp_size
         self.target = {ATTN: [layer_id(n) for n in layout.layers(ATTN)
                               if n not in layout.drafter_layers],
                        STATE: list(layout.layer_ids(STATE))}
         self.drafter = sorted(layer_id(n) for n in layout.drafter_layers)
         # (Mooncake: a cap, its stores and evictions elsewhere are not seen)
-        ttl = min(config.hit_cache_ttl, getattr(backend, "hit_cache_cap", config.hit_cache_ttl))
+        ttl = min(config.hit_cache_ttl,
+                  getattr(self.backend, "hit_cache_cap", config.hit_cache_ttl))
         self.cache = HitCache(ttl, config.hit_cache_size)
         self._gen: Any = None  # the backend's generation (None: nothing is cached)
 

@@ -40,7 +40,7 @@ from .layout import PoolLayout
 from .lookup import PoolLookup
 from .metadata import AttnSave, LoadSpec, PoolMetadata, SaveSpec, load_groups
 from .pins import Pins
-from .side import kv_roles
+from .side import PoolSide, kv_roles
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -52,10 +52,13 @@ class _Tracked:
     loaded_end: int = 0
 
 
-class PoolScheduler(PoolLookup):
+class PoolScheduler:
     def __init__(self, *, vllm_config: Any, layout: PoolLayout, backend: Any,
                  namespace: bytes, config: Any) -> None:
-        super().__init__(layout=layout, backend=backend, namespace=namespace, config=config)
+        side = PoolSide.open(layout=layout, backend=backend, namespace=namespace, config=config)
+        self.hits = PoolLookup(side)  # the hit lookup (its cache, the backend generation)
+        self.ns, self.layout, self.log, self.faults = namespace, layout, side.log, side.faults
+        self.block_size, self.tp_size = layout.block_size, layout.tp_size
         self._pending: dict[str, int] = {}  # req_id -> hit blocks (lookup -> alloc)
         self.pins = Pins(backend, config.pin_seconds)
         self._failures_seen: list[str] = []  # for the workers (PoolMetadata)
@@ -128,7 +131,7 @@ class PoolScheduler(PoolLookup):
             self.pins.release(rid)
             return 0, False
         try:
-            k = self.lookup(request, num_computed_tokens, self._pin_candidates(rid))
+            k = self.hits.lookup(request, num_computed_tokens, self._pin_candidates(rid))
             groups = []
             if k:
                 B, L = self.block_size, self.layout
@@ -160,8 +163,8 @@ class PoolScheduler(PoolLookup):
         kinds = self.layout.kinds
         attn = {g: list(ids[start:k]) for g, ids in enumerate(block_ids) if kinds[g] == ATTN}
         mamba = {g: ids[k - 1] for g, ids in enumerate(block_ids) if kinds[g] == STATE}
-        tokens = ([self.next_token(request, i) for i in range(start, k)]
-                  if self.drafter else [])
+        tokens = ([self.hits.next_token(request, i) for i in range(start, k)]
+                  if self.hits.drafter else [])
         spec = LoadSpec(request.request_id, start, k, hashes, attn, mamba, {}, tokens)
         if self.load_async:
             self._async_loads.append(spec)
@@ -216,7 +219,7 @@ class PoolScheduler(PoolLookup):
         saves = []
         try:
             if self.saves_on:
-                self.note_generation()
+                self.hits.note_generation()
                 saves = self._plan_saves(steps)
         except Exception as exc:  # noqa: BLE001 - a missed save only costs a hit
             self.log.warning("save-plan-error", "vllm-layerwise-patch pool: planning saves "
@@ -250,13 +253,13 @@ class PoolScheduler(PoolLookup):
             attn, mamba = [], []
             if done:
                 names = [L.block_hash(hashes, j) for j in done]
-                tokens = [self.next_token(t.request, j) if self.drafter else None
+                tokens = [self.hits.next_token(t.request, j) if self.hits.drafter else None
                           for j in done]
                 known = [(h, tok) for h, tok in zip(names, tokens) if tok is not None]
-                found = iter(self.draft_present(known) if known else [])
+                found = iter(self.hits.draft_present(known) if known else [])
                 drafts = [tok is None or next(found) for tok in tokens]
                 for j, h, tok, present, draft in zip(done, names, tokens,
-                                                     self.present(ATTN, names), drafts):
+                                                     self.hits.present(ATTN, names), drafts):
                     if not present or (tok is not None and not draft):
                         attn.append(AttnSave(h, self._ids(t, j, ATTN), tok,
                                              draft_only=present))
@@ -266,7 +269,7 @@ class PoolScheduler(PoolLookup):
                 # block 0 is vLLM's null block: no state lives there
                 if j >= t.loaded_end and ids and 0 not in ids.values():
                     h = L.block_hash(hashes, j)
-                    if not self.present(STATE, [h])[0]:
+                    if not self.hits.present(STATE, [h])[0]:
                         mamba.append((h, ids))
             if attn or mamba:
                 reads = sorted({b for ids in t.blocks for b in ids} - {0})

@@ -17,6 +17,12 @@ Two modes, chosen once per process and logged once:
 With ``load_async`` hits are loaded in the background instead, before the
 request is computed (:mod:`.worker_async`); saves are unchanged.
 
+The worker holds its parts, each with the state it owns: this rank's pages
+(:mod:`.worker_pages`), the loads in a forward (:mod:`.worker_loads`), the
+asynchronous loads (:mod:`.worker_async`), the saves (:mod:`.worker_saves`);
+it runs the step across them, the copy protocol, and what a failed load
+keeps out of the pool (:mod:`.worker_taint`).
+
 Saved pages go through a send thread (``SaveQueue``) that copies them to
 host memory while later layers compute; at the end of the step
 (``wait_for_save``) the queue is drained and the pages and their commit
@@ -39,58 +45,44 @@ from typing import Any
 import torch
 
 from ..copy_protocol import COPY_ALL, COPY_FOR_LAYER, deferred_copy
-from .keys import ATTN, STATE, draft_marker_key, draft_page_key, layer_id, marker_key, page_key
 from .layout import PoolLayout
-from .pipeline import LayerwisePipeline
-from .saving import SaveQueue
-from .side import PoolSide, kv_roles
-from .worker_async import WorkerAsyncLoads
-from .worker_taint import Quarantine, agree_on_failures
-from .worker_loads import WorkerLoads
-from .worker_env import layerwise_patches_applied, resolve_tp_rank
 from .metadata import PoolMetadata
+from .side import PoolSide, kv_roles
+from .worker_async import AsyncLoads
+from .worker_env import layerwise_patches_applied, resolve_tp_rank
+from .worker_loads import WorkerLoads
+from .worker_pages import RankPages
+from .worker_saves import WorkerSaves
+from .worker_taint import Quarantine
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
 
-class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
+class PoolWorker:
     def __init__(self, *, vllm_config: Any, layout: PoolLayout, backend: Any,
                  namespace: bytes, config: Any) -> None:
-        super().__init__(layout=layout, backend=backend, namespace=namespace, config=config)
-        self.tp_rank = resolve_tp_rank(layout.tp_size)
-        self.saves_on = kv_roles(vllm_config)[2]
-        self.layer_group = layout.layer_group
-        self.layer_kind = layout.layer_kind
-        self.caches: dict[str, torch.Tensor] = {}
-        self.order: list[str] = []
-        self.layerwise = False
-        self.pipeline: LayerwisePipeline | None = None
-        self.saver: SaveQueue | None = None
-        self.device: torch.device | None = None
-        self._meta: PoolMetadata | None = None
-        self._model_state: Any = None
-        self._saved_layers: set[str] = set()
-        self._owners: dict[str, list[str]] = {}
-        self._failed_reqs: set[str] = set()
-        self.quarantine = Quarantine()  # what failed loads keep out of the pool
-        self._debug_failed = False
-        self._init_async()
         from .stats import PoolStats
 
-        self.stats = PoolStats()
+        side = PoolSide.open(layout=layout, backend=backend, namespace=namespace, config=config)
+        self.backend = backend
+        self.faults = side.faults
+        self.pages = RankPages(layout, resolve_tp_rank(layout.tp_size))
+        self.saves_on = kv_roles(vllm_config)[2]
+        self.layerwise = False
+        self.stats = PoolStats()  # since vLLM last polled (take_stats)
+        self.loads = WorkerLoads(side, self.pages, self.stats)
+        self.async_loads = AsyncLoads(side, self.pages, self.loads, self.stats)
+        self.saves = WorkerSaves(side, self.pages)
+        self._meta: PoolMetadata | None = None
+        self._model_state: Any = None
+        self.quarantine = Quarantine()  # what failed loads keep out of the pool
         self._reported: dict[str, float] = {}  # running totals already added to stats
         self._hook_seconds = 0.0  # the forward thread's time in the save hooks
         self._precopy_seconds = 0.0  # ... in the deferred mamba pre-copies
 
     # -- layout ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.caches = {n: t for n, t in kv_caches.items() if n in self.layer_group}
-        self.order = [n for n in self.layout.order if n in self.caches]
-        for name in self.order:  # fail at startup, not mid-request
-            page = self.caches[name][0]
-            if not page.is_contiguous():
-                raise ValueError(f"layer {name}: a page is not contiguous "
-                                 f"(shape {tuple(page.shape)}, stride {page.stride()})")
+        self.pages.register(kv_caches)
         self.layerwise, why = layerwise_patches_applied()
         if self.layerwise:
             logger.info("vllm-layerwise-patch pool: layerwise loads and saves (%s)", why)
@@ -99,47 +91,20 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
                 "vllm-layerwise-patch pool: %s; using the bulk path (all pages "
                 "loaded before the forward, boundary state also written to the "
                 "running column): correct, without layer overlap", why)
-        self.pipeline = LayerwisePipeline(self.order, self.backend, self.ns,
-                                          prefetch=self.config.prefetch_layers,
-                                          threads=self.config.load_threads,
-                                          # the lookup already checked every
-                                          # checksum a hit relies on
-                                          check_crc=not self.config.verify_on_lookup,
-                                          delay=self.faults.load_delay_ms / 1e3)
-        self.pipeline.register_memory(self.caches.values())  # zero-copy loads where possible
-        self._events: list | None = [] if self.faults.event_log else None
-        self._flushed = 0
-        self.saver = SaveQueue(self.backend, self.ns, events=self._events)
-        if self.saves_on:  # pre-fault the pack memory now, not in the first request
-            self.saver.reserve()
-        self.device = next(iter(self.caches.values())).device if self.caches else None
-
-    def page(self, layer: str, block_id: int) -> torch.Tensor:
-        """The bytes of one (layer, block) page: the raw per-layer allocation V2
-        hands over is a page array (attention K/V, or conv then ssm state)."""
-        return self.caches[layer][block_id].reshape(-1).view(torch.uint8)
+        self.loads.open()
+        self.saves.open(reserve=self.saves_on)
 
     # -- loads -----------------------------------------------------------------
     def begin_step(self, meta: PoolMetadata) -> None:
-        # a deferred final-layer save of the previous step completes before
-        # this step loads or saves anything (and before its forward may
-        # overwrite pages that save still reads)
-        self.saver.drain()
-        if self._events is not None:
-            self._events.append(("step-begin", self.saver._step))
+        self.saves.begin_step()
         self._meta = meta
         if self.faults.forget_failures:  # the rule before the fix (tests)
             self.quarantine = Quarantine()
         self.quarantine.seen(meta.failures_seen)
-        self._note_async(meta)
-        if meta.loads:
-            self.stats.add(hit_tokens=sum(
-                (s.end - s.start) * self.block_size for s in meta.loads))
-        self._saved_layers = set()
-        self._failed_reqs = set()
+        self.async_loads.note(meta)
+        self.loads.begin_step(meta)
         if self.layerwise and meta.loads:
-            self.pipeline.start(self._debug_fail(self._load_tasks(meta, bulk=False)),
-                                tolerate_errors=self._tolerate(meta))
+            self.loads.start(meta)
         elif self._model_state is not None:
             # nothing loads this step (decode): the deferred pre-copy in one
             # bulk launch, as vLLM runs it, not one per layer
@@ -154,10 +119,9 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
     def start_load_kv(self) -> None:
         # asynchronous loads start here: after the forward (or in a step
         # without one), off the forward's critical path
-        self._start_async()
+        self.async_loads.start()
         if self._meta is not None and not self.layerwise and self._meta.loads:
-            self.pipeline.load_all(self._debug_fail(self._load_tasks(self._meta, bulk=True)),
-                                   tolerate_errors=self._tolerate(self._meta))
+            self.loads.load_all(self._meta)
 
     def wait_for_layer_load(self, layer: str) -> None:
         if not self.layerwise:
@@ -169,18 +133,25 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         if self.faults.copy_before_wait and self._model_state is not None:
             # negative control (tests): copy the state before it has arrived
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
-        self.pipeline.wait(layer)
+        self.loads.pipeline.wait(layer)
         if self._model_state is not None and layer != self.faults.skip_copy_layer:
             t0 = time.perf_counter()
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
             self._precopy_seconds += time.perf_counter() - t0
         # attention layers get no separate fence call from vLLM: their compute
         # starts right after this wait
-        self.pipeline.record_compute_start(self.device)
+        self.loads.pipeline.record_compute_start(self.pages.device)
 
     def on_layer_compute_start(self, layer: str) -> None:
         if self.layerwise:
-            self.pipeline.record_compute_start(self.device)
+            self.loads.pipeline.record_compute_start(self.pages.device)
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """(requests whose asynchronous loads are done, those that failed)."""
+        return self.async_loads.transfer_results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.loads.block_ids_with_load_errors(self._meta)
 
     # -- copy protocol ---------------------------------------------------------
     def prepare_mamba_state_copy(self, model_state: Any) -> bool:
@@ -193,57 +164,12 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         self._model_state = None
 
     # -- saves -----------------------------------------------------------------
-    def _save_pages(self, layer: str, specs=None) -> list[tuple[bytes, torch.Tensor]]:
-        meta = self._meta
-        if specs is None:
-            specs = meta.saves if meta is not None else []
-        g, kind = self.layer_group[layer], self.layer_kind[layer]
-        idx, draft = layer_id(layer), layer in self.layout.drafter_layers
-        out = []
-        for spec in specs:
-            if kind == STATE:
-                out += [(page_key(self.ns, STATE, h, self.tp_rank, idx), self.page(layer, ids[g]))
-                        for h, ids in spec.mamba if g in ids]
-                continue
-            for a in spec.attn:
-                if g not in a.ids:
-                    continue
-                if draft and a.token is not None:
-                    out.append((draft_page_key(self.ns, a.hash, self.tp_rank, idx, a.token),
-                                self.page(layer, a.ids[g])))
-                elif not draft and not a.draft_only:
-                    out.append((page_key(self.ns, ATTN, a.hash, self.tp_rank, idx),
-                                self.page(layer, a.ids[g])))
-        return out
-
-    def _markers(self, saves) -> tuple[list[bytes], int]:
-        """Commit markers of what this step saved completely (every layer of
-        the kind), and the number of blocks they commit."""
-        done = lambda names: all(n in self._saved_layers for n in names)  # noqa: E731
-        drafter = self.layout.drafter_layers
-        target = [n for n in self.layout.layers(ATTN) if n not in drafter]
-        attn = [a for s in saves for a in s.attn]
-        state = [b for s in saves for b in s.mamba]
-        rank, markers, blocks = self.tp_rank, [], 0
-        if attn and done(target):
-            full = [a for a in attn if not a.draft_only]
-            markers += [marker_key(self.ns, ATTN, a.hash, rank) for a in full]
-            blocks += len(full)
-        if attn and drafter and done(drafter):
-            markers += [draft_marker_key(self.ns, a.hash, rank, a.token)
-                        for a in attn if a.token is not None]
-        if state and done(self.layout.layers(STATE)):
-            markers += [marker_key(self.ns, STATE, h, rank) for h, _ in state]
-            blocks += len(state)
-        return markers, blocks
-
     def save_kv_layer(self, layer: str) -> None:
-        if not self.layerwise or layer not in self.layer_group:
+        if not self.layerwise or layer not in self.pages.group:
             return
-        # the send thread copies the pages once the compute stream wrote them
         t0 = time.perf_counter()
-        self.saver.submit(self._save_pages(layer), self.device)
-        self._saved_layers.add(layer)
+        meta = self._meta
+        self.saves.save_layer(layer, meta.saves if meta is not None else [])
         self._hook_seconds += time.perf_counter() - t0
 
     def wait_for_save(self) -> None:
@@ -251,13 +177,10 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         if meta is None:
             return
         if self.layerwise:
-            self.pipeline.drain()
+            self.loads.pipeline.drain()
         t0 = time.perf_counter()
-        failed = agree_on_failures(meta, self._collect_failures(), self.layout.tp_size,
-                                   self.log)
-        self._failed_reqs |= failed  # (what get_block_ids_with_load_errors reports)
+        failed = self.loads.settle(meta)
         if meta.loads:
-            self._release_pins(meta.loads)
             self.quarantine.failed(meta.loads, failed)
         # nothing computed from a failed load's pages reaches the pool: not
         # this step's, nor a later step's that vLLM planned before it learnt
@@ -266,33 +189,12 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
         saves, tainted = self.quarantine.split(meta.saves)
         if self._copy_missing():
             saves, tainted = [], meta.saves
-        exclude = {key for layer in self.order
-                   for key, _ in self._save_pages(layer, tainted)}
-        if not self.layerwise:
-            for layer in self.order:
-                self.saver.submit(self._save_pages(layer, saves), self.device)
-            self._saved_layers = set(self.order)
-        if meta.saves:
-            # incomplete kinds get no marker: lookups never see them
-            markers, blocks_saved = self._markers(saves)
-            # final-layer drain: every queued page is written with its markers
-            # (now, or - deferred - before the next step's loads and saves)
-            step = self.saver._step
-            self.saver.commit(markers, exclude=exclude, blocks=blocks_saved,
-                              wait=not self.config.defer_last_save)
-            if self._events is not None:  # the forward thread goes on from here
-                self._events.append(("committed", step))
+        self.saves.finish_step(meta, saves, tainted, bulk=not self.layerwise)
         self._hook_seconds += time.perf_counter() - t0
-        if self._events is not None:
-            self._flush_events()
-        if self.pipeline is not None:  # fold running totals in
-            p, q = self.pipeline, self.saver
-            now = {"bytes_loaded": p.bytes_loaded, "wait_seconds": p.wait_seconds,
-                   "load_seconds": p.load_seconds, "bytes_saved": q.bytes_saved,
-                   "blocks_saved": q.blocks_saved,
-                   "save_seconds": q.seconds, "saves_skipped": q.skipped,
-                   "save_failures": q.failures, "save_write_seconds": q.write_seconds,
-                   "save_cpu_seconds": q.cpu_seconds, "save_hook_seconds": self._hook_seconds,
+        self.saves.flush_events()
+        if self.loads.pipeline is not None:  # fold running totals in
+            now = {**self.loads.totals(), **self.saves.totals(),
+                   "save_hook_seconds": self._hook_seconds,
                    "precopy_seconds": self._precopy_seconds,
                    "evictions": getattr(self.backend, "evicted_groups", 0)}
             self.stats.add(**{k: now[k] - self._reported.get(k, 0) for k in now})
@@ -311,31 +213,21 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
                      "run this step; its saves are not stored", sorted(handle.pending))
         return True
 
-    def _flush_events(self) -> None:
-        import json
-
-        new = self._events[self._flushed:]  # (the send thread only appends)
-        self._flushed += len(new)
-        with open(self.faults.event_log, "a") as f:
-            f.writelines(json.dumps(e) + "\n" for e in new)
-
     def take_stats(self):
         """Stats since the last call (vLLM polls once per step), or None."""
         if self.stats.is_empty():
             return None
         from .stats import PoolStats
 
-        out, self.stats = self.stats, PoolStats()
+        # (the parts hold this object: its counts are handed over, not it)
+        out = PoolStats(data=self.stats.data)
+        self.stats.reset()
         return out
 
     def clear(self) -> None:
         self._meta = None
 
     def close(self) -> None:
-        self._close_async()
-        if self.pipeline is not None:
-            self.pipeline.close()
-        if self.saver is not None:
-            self.saver.close()
-            if self._events is not None:
-                self._flush_events()
+        self.async_loads.close()
+        self.loads.close()
+        self.saves.close()

@@ -1,5 +1,6 @@
-"""The worker's asynchronous loads (``load_async``).  A mixin of
-:class:`.worker.PoolWorker`.
+"""The worker's asynchronous loads (``load_async``).  :class:`.worker.PoolWorker`
+holds one; it plans its loads and settles their failures through the
+worker's :class:`.worker_loads.WorkerLoads`.
 
 With ``load_async`` the scheduler answers a hit with ``load_async=True``:
 vLLM allocates the request's blocks, parks it in ``WAITING_FOR_REMOTE_KVS``
@@ -36,45 +37,58 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from .keys import group_of
 from .metadata import LoadSpec, PoolMetadata
 from .pipeline import LoadItem, read_items
+from .side import PoolSide
+from .worker_loads import WorkerLoads
+from .worker_pages import RankPages
+
+if TYPE_CHECKING:  # (.stats imports vLLM)
+    from .stats import PoolStats
 
 #: (bytes written, seconds, [(key, error)] of failed items)
 _Outcome = tuple[int, float, list[tuple[bytes, Exception]]]
 
 
-class WorkerAsyncLoads:
-    _async_pool: cf.ThreadPoolExecutor | None = None
-    _async_jobs: dict[str, tuple[LoadSpec, cf.Future]]
-    _async_todo: list[LoadSpec]
+class AsyncLoads:
+    def __init__(self, side: PoolSide, pages: RankPages, loads: WorkerLoads,
+                 stats: PoolStats) -> None:
+        self.backend = side.backend
+        self.ns = side.ns
+        self.config = side.config
+        self.block_size = side.layout.block_size
+        self.log = side.log
+        self.faults = side.faults
+        self.pages = pages
+        self.loads = loads
+        self.stats = stats  # the worker's, reported to vLLM
+        self._pool: cf.ThreadPoolExecutor | None = None  # started by the first load
+        self._jobs: dict[str, tuple[LoadSpec, cf.Future]] = {}  # req_id -> load in flight
+        self._todo: list[LoadSpec] = []  # this step's, not started yet
 
-    def _init_async(self) -> None:
-        self._async_jobs = {}
-        self._async_todo = []
-
-    def _note_async(self, meta: PoolMetadata) -> None:
-        """This step's asynchronous loads (started by :meth:`_start_async`)."""
-        self._async_todo = list(meta.async_loads)
-        if self._async_todo:
+    def note(self, meta: PoolMetadata) -> None:
+        """This step's asynchronous loads (started by :meth:`start`)."""
+        self._todo = list(meta.async_loads)
+        if self._todo:
             self.stats.add(hit_tokens=sum((s.end - s.start) * self.block_size
-                                          for s in self._async_todo))
+                                          for s in self._todo))
 
-    def _start_async(self) -> None:
-        todo, self._async_todo = self._async_todo, []
+    def start(self) -> None:
+        todo, self._todo = self._todo, []
         for spec in todo:
-            tasks, _ = self._plan_loads([spec], bulk=False)
-            tasks = self._debug_fail(tasks)
-            if self._async_pool is None:
-                self._async_pool = cf.ThreadPoolExecutor(
+            tasks, _ = self.loads.plan([spec], bulk=False)
+            tasks = self.loads.debug_fail(tasks)
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(
                     max_workers=self.config.load_threads, thread_name_prefix="vlp-async-load")
-            self._async_jobs[spec.req_id] = (
-                spec, self._async_pool.submit(self._load_async, tasks))
+            self._jobs[spec.req_id] = (spec, self._pool.submit(self._load, tasks))
 
-    def _load_async(self, tasks: dict[str, list[LoadItem]]) -> _Outcome:
+    def _load(self, tasks: dict[str, list[LoadItem]]) -> _Outcome:
         """Every layer of one request's hit, in forward order; a failed item
         is recorded, not raised."""
         t0 = time.perf_counter()
@@ -82,7 +96,7 @@ class WorkerAsyncLoads:
         moved = 0
         delay = self.faults.load_delay_ms / 1e3
         on_fail = lambda i, key, dests, exc: failures.append((key, exc))  # noqa: E731
-        for layer in self.order:
+        for layer in self.pages.order:
             items = tasks.get(layer)
             if not items:
                 continue
@@ -90,10 +104,11 @@ class WorkerAsyncLoads:
                 time.sleep(delay)
             moved += read_items(self.backend, self.ns, items, on_fail=on_fail,
                                 check_crc=not self.config.verify_on_lookup)
-        if self.device is not None and self.device.type == "cuda":
+        device = self.pages.device
+        if device is not None and device.type == "cuda":
             # pageable host -> device copies may still be in flight on this
             # thread's stream: the request is computed only after "done"
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.current_stream(device).synchronize()
         return moved, time.perf_counter() - t0, failures
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
@@ -101,21 +116,21 @@ class WorkerAsyncLoads:
         failed)."""
         done: set[str] = set()
         failed: set[str] = set()
-        for rid, (spec, fut) in list(self._async_jobs.items()):
+        for rid, (spec, fut) in list(self._jobs.items()):
             if not fut.done():
                 continue
-            del self._async_jobs[rid]
+            del self._jobs[rid]
             done.add(rid)
             try:
                 moved, seconds, failures = fut.result()
             except Exception as exc:  # noqa: BLE001 - a load never stops the engine
                 moved, seconds, failures = 0, 0.0, [(b"", exc)]
             self.stats.add(bytes_loaded=moved, load_seconds=seconds)
-            self._release_pins([spec])
+            self.loads.release_pins([spec])
             if not failures:
                 continue
-            self._drop_broken({group_of(k) for k, _ in failures
-                               if k and not k.startswith(b"\0")})  # (not debug keys)
+            self.loads.drop_broken({group_of(k) for k, _ in failures
+                                    if k and not k.startswith(b"\0")})  # (not debug keys)
             self.stats.add(load_failures=1)
             key, exc = failures[0]
             self.log.warning(
@@ -127,7 +142,7 @@ class WorkerAsyncLoads:
                 failed.add(rid)
         return done, failed
 
-    def _close_async(self) -> None:
-        if self._async_pool is not None:
-            self._async_pool.shutdown(wait=True)
-            self._async_pool = None
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
