@@ -76,10 +76,10 @@ def _plot(out_dir: str, rows: list[dict], sizes: list[int]) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in CONFIGS:
+    for name, style in zip(CONFIGS, ("s-", "o--", "^-")):
         pts = [r for r in rows if r["config"] == name]
-        ax.plot([r["requests"] for r in pts], [r["reads_per_prefix"] for r in pts], "o-",
-                label=name)
+        ax.plot([r["requests"] for r in pts], [r["reads_per_prefix"] for r in pts], style,
+                label=name, markersize=9 if style == "s-" else 6)
     ax.axhline(1.1, color="grey", ls=":", label="goal 1.1x")
     ax.set(xscale="log", yscale="log", xticks=sizes, xticklabels=[str(n) for n in sizes],
            xlabel="requests arriving together on one stored prefix",
