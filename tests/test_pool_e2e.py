@@ -337,6 +337,7 @@ def test_async_burst_on_one_prefix_reads_it_once_with_identical_tokens(tiny_mode
     shutil.copytree(work / "pool-a", pool["path"])
     res = served(engine(tiny_model_dir, work, BURST, pool=pool, batch=True,
                         exact_load_bytes=True))
+    assert "loads asynchronous" in res["log"]
     assert [o["cached"] for o in res["out"]] == [3 * BLOCK] * 4
     loads = 1 if share else 4
     if share:  # the same batch as the oracle's: identical tokens and logprobs

@@ -53,7 +53,7 @@ def _req(hashes, rid):
 def _issue(sched, req, hit_blocks):
     """vLLM allocates ``req``'s blocks and its asynchronous load is issued."""
     ids = list(range(10, 10 + hit_blocks + 1))
-    blocks = types.SimpleNamespace(get_block_ids=lambda: (ids, [0] * hit_blocks + [99]))
+    blocks = types.SimpleNamespace(get_block_ids=lambda: (ids, [0] * (hit_blocks - 1) + [99, 0]))
     sched.update_state_after_alloc(req, blocks, hit_blocks * BLOCK)
 
 
@@ -67,7 +67,7 @@ def burst(tmp_path):
     _issue(sched, a, 3)
     assert sched.get_num_new_matched_tokens(b, 0) == (None, False)  # ask again later
     assert sched.get_num_new_matched_tokens(b, 0) == (None, False)
-    assert sched.inflight.stats == {"waits": 1, "timeouts": 0}
+    assert sched.shared_loads.stats == {"waits": 1, "timeouts": 0}
     yield sched, a, b, hashes
     sched.backend.close()
 
@@ -77,7 +77,7 @@ def test_a_done_load_lets_the_waiting_request_take_its_blocks_from_vllms_cache(b
     sched.update_connector_output(types.SimpleNamespace(finished_recving={"a"}))
     # vLLM cached a's blocks: b's local hit covers them, the pool adds nothing
     assert sched.get_num_new_matched_tokens(b, 12) == (0, False)
-    assert not sched.inflight.waiting("b")
+    assert not sched.shared_loads.waiting("b")
 
 
 def test_a_waiting_request_loads_only_what_lies_beyond_the_shared_load(tmp_path):
@@ -122,7 +122,7 @@ def test_a_preempted_loader_looked_up_again_releases_its_waiters(burst):
 def test_a_wait_is_bounded_by_share_loads_seconds(burst):
     sched, a, b, _ = burst
     now = [0.0]
-    sched.inflight.clock = lambda: now[0]
+    sched.shared_loads.clock = lambda: now[0]
     c = _req(b.block_hashes, "c")
     assert sched.get_num_new_matched_tokens(c, 0) == (None, False)
     now[0] = 9.9
@@ -130,9 +130,9 @@ def test_a_wait_is_bounded_by_share_loads_seconds(burst):
     now[0] = 10.1  # a's load still in flight: c gives up and loads its own hit
     assert sched.get_num_new_matched_tokens(c, 0) == (12, True)
     _issue(sched, c, 3)
-    assert sched.inflight.stats["timeouts"] == 1
+    assert sched.shared_loads.stats["timeouts"] == 1
     sched.request_finished(c)
-    assert not sched.inflight.waiting("c")
+    assert not sched.shared_loads.waiting("c")
 
 
 def test_unrelated_prefixes_and_sync_loads_never_wait(tmp_path):
