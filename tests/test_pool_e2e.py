@@ -29,6 +29,8 @@ PA = {"prefix": [1300, 5], "suffix": [150, 6]}
 PB = {"prefix": [600, 5], "suffix": [150, 7]}
 # distinct prompts for the eviction test (3 blocks each)
 DISTINCT = [{"prefix": [1950, 20 + i]} for i in range(4)]
+# a burst: P's 3 full blocks, each with a suffix of its own
+BURST = [{"prefix": [3 * BLOCK, 5], "suffix": [64, 40 + i]} for i in range(4)]
 
 def engine(model_dir, cwd, prompts, pool=None, patches="1", policy=None, **spec):
     """Serve ``prompts`` in a fresh engine process (see testing.engines)."""
@@ -52,10 +54,23 @@ def baseline(tiny_model_dir, work):
 
 
 @pytest.fixture(scope="module")
-def hbm(tiny_model_dir, work):
-    res = engine(tiny_model_dir, work, [P, PA, PB], patches="0")
-    assert res["error"] is None, res["error"]
-    return [o["cached"] for o in res["out"]]
+def hbm_run(tiny_model_dir, work):
+    """No pool, one engine: P, PA, PB one after another, then BURST at once
+    (one generate call), each of those with vLLM's own prefix-cache hit of
+    P's 3 blocks - the same hit and the same batch as the pool's burst."""
+    return served(engine(tiny_model_dir, work, None, patches="0",
+                         phases=[{"prompts": [P, PA, PB]}, {"prompts": BURST, "batch": True}]))
+
+
+@pytest.fixture(scope="module")
+def hbm(hbm_run):
+    return [o["cached"] for o in hbm_run["out"][:3]]
+
+
+@pytest.fixture(scope="module")
+def burst_hbm(hbm_run):
+    assert [o["cached"] for o in hbm_run["out"][3:]] == [3 * BLOCK] * 4
+    return toks(hbm_run)[3:]
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +322,34 @@ def test_async_load_negative_control_state_left_out_changes_tokens(tiny_model_di
     res = served(engine(tiny_model_dir, work, [P], pool=pool))
     assert res["out"][0]["cached"] == 3 * BLOCK
     assert toks(res)[0][0] != toks(baseline)[0][0]
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_async_burst_on_one_prefix_reads_it_once_with_identical_tokens(tiny_model_dir, work,
+                                                                       pool_a, burst_hbm,
+                                                                       share):
+    # 4 requests at once on P's 3 stored blocks (one generate call): the
+    # first loads them; the others wait for that load (their lookups answer
+    # "ask again later") and then take the blocks from vLLM's prefix cache.
+    # Negative control: share_loads_seconds=0, every request loads its hit.
+    pool = dict(pool_a, path=str(work / f"pool-burst-{share}"), load_async=True,
+                debug_load_delay_ms=20, **({} if share else {"share_loads_seconds": 0}))
+    shutil.copytree(work / "pool-a", pool["path"])
+    res = served(engine(tiny_model_dir, work, BURST, pool=pool, batch=True,
+                        exact_load_bytes=True))
+    assert "loads asynchronous" in res["log"]
+    assert [o["cached"] for o in res["out"]] == [3 * BLOCK] * 4
+    loads = 1 if share else 4
+    if share:  # the same batch as the oracle's: identical tokens and logprobs
+        assert toks(res) == burst_hbm
+    else:  # (the 4 loads may end in different steps: other batches)
+        assert [t for t, _ in toks(res)] == [t for t, _ in burst_hbm]
+    lines = kv_metrics(res["log"])
+    assert sum(int(f["External hit tokens loaded"]) for f in lines) == loads * 3 * BLOCK
+    # one hit's bytes: 3 attention pages (163 840 B) and one boundary state
+    # (3 GDN layers' states, 134 144 B each; DESIGN section 8)
+    hit = 3 * 163840 + 3 * 134144
+    assert sum(int(f["Loaded (bytes)"]) for f in lines) == loads * hit
 
 
 def test_failed_async_load_recomputes_with_identical_tokens(tiny_model_dir, work, pool_a,

@@ -221,6 +221,13 @@ class PoolConfig(BaseModel):
                     "place, then computes it as a prefix-cache hit (no layer overlap; other "
                     "requests' steps go on meanwhile); `false`: the hit loads layer by layer "
                     "in the step that computes the request")
+    share_loads_seconds: Number = Field(
+        default=10.0, ge=0, le=3600,
+        description="with `load_async`: a request whose hit would read blocks another "
+                    "request is loading waits for that load (vLLM then serves them from "
+                    "its prefix cache and the pool loads only what lies beyond), at most "
+                    "this long before it loads its own hit; a burst of requests on one "
+                    "prefix reads it once; `0`: every request loads its whole hit")
     weights_identity: Literal["content", "sampled"] = Field(
         default="content",
         description="how the namespace names the weights: `content` digests every weights "

@@ -35,6 +35,7 @@ import logging
 from typing import Any
 
 from .faults import pause_here
+from .inflight import InflightLoads
 from .keys import ATTN, STATE, group_key
 from .layout import PoolLayout
 from .lookup import PoolLookup
@@ -82,6 +83,7 @@ class PoolScheduler:
         self._async_loads: list[LoadSpec] = []
         self._inflight: set[str] = set()  # asynchronous loads not reported done
         self._orphans: set[str] = set()  # ... whose requests have finished
+        self.shared_loads = InflightLoads(layout, config.share_loads_seconds)  # (.inflight)
         logger.info("vllm-layerwise-patch pool: kv_role %s: %s", getattr(ktc, "kv_role", None)
                     or "kv_both", {(True, True): "loads and saves",
                                    (True, False): "loads only (no saves)",
@@ -121,6 +123,10 @@ class PoolScheduler:
         return getattr(sp, "prompt_logprobs", None) is None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        if (self.load_async and request.request_id not in self._load_failed
+                and self._reads_cache(request)
+                and self.shared_loads.should_wait(request, num_computed_tokens)):
+            return None, False  # another request loads its blocks: ask again later
         self.stats["lookups"] += 1
         self.stats["query_tokens"] += max(0, request.num_tokens - num_computed_tokens)
         rid = request.request_id
@@ -169,6 +175,7 @@ class PoolScheduler:
         if self.load_async:
             self._async_loads.append(spec)
             self._inflight.add(request.request_id)
+            self.shared_loads.started(request.request_id, hashes)
         else:
             self._loads.append(spec)
             # each worker releases its rank's pins once this load has read the
@@ -306,6 +313,7 @@ class PoolScheduler:
         the pool; finished asynchronous loads release what they held."""
         for rid in getattr(connector_output, "finished_recving", None) or ():
             self._inflight.discard(rid)
+            self.shared_loads.ended(rid)
             if rid in self._orphans:  # its request ended while loading
                 self._orphans.discard(rid)
                 self.pins.release(rid)
@@ -315,6 +323,8 @@ class PoolScheduler:
         if invalid:
             failed |= {rid for rid, ids in self._issued.items() if ids & invalid}
         self._failures_seen += sorted(failed)
+        for rid in failed:
+            self.shared_loads.ended(rid)
         for rid in sorted(failed - self._load_failed):
             self._load_failed.add(rid)
             logger.info("vllm-layerwise-patch pool: request %s recomputes without the "
@@ -330,6 +340,7 @@ class PoolScheduler:
         self._pending.pop(rid, None)
         self._gone.add(rid)
         self._load_failed.discard(rid)
+        self.shared_loads.forget(rid)
         if rid in self._inflight:  # its load still reads the pool: keep the pins
             self._orphans.add(rid)
             return

@@ -25,6 +25,12 @@ def apply(spec: dict[str, Any]) -> None:
         paths.default_path = lambda: spec["default_pool_path"]
     if spec.get("weights_trace"):  # when vLLM reads the weights files
         observe_weight_reading()
+    if spec.get("exact_load_bytes"):  # the stats line's loaded bytes, unrounded
+        from vllm_layerwise_patch.pool.stats import PoolStats
+
+        reduce = PoolStats.reduce
+        PoolStats.reduce = lambda self: dict(reduce(self), **{
+            "Loaded (bytes)": int(self.data["bytes_loaded"])})
 
 
 def observe_weight_reading() -> None:

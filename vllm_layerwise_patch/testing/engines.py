@@ -44,6 +44,8 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 ``base``         ``"cpu"`` (default): ``llm`` goes over the CPU emulation's
                  kwargs; ``"none"``: ``llm`` alone (a GPU machine);
 ``umask``        the child's umask (e.g. 0: files as permissive as allowed);
+``exact_load_bytes`` vLLM's "KV Transfer metrics" lines also give
+                 ``Loaded (bytes)``, the bytes the workers loaded, unrounded;
 ``weights_trace`` the result's ``weights_trace``: ``pool.weights.TRACE`` and
                  when vLLM read the weights files (``engine_controls``);
 ``startup``      instead of prompts, ``{name: kv_connector_extra_config}``:
