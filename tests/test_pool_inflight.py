@@ -39,9 +39,9 @@ def _committed(sched, n, first=0):
     for kind in (ATTN, STATE):
         for h in hashes:
             items += [(page_key(NS, kind, h, 0, layer), pack(NS, b"x" * 8))
-                      for layer in sched.target[kind]]
+                      for layer in sched.hits.target[kind]]
             items.append((marker_key(NS, kind, h, 0), pack(NS, b"")))
-    sched.backend.put_many(items)
+    sched.hits.backend.put_many(items)
     return hashes
 
 
@@ -69,7 +69,7 @@ def burst(tmp_path):
     assert sched.get_num_new_matched_tokens(b, 0) == (None, False)
     assert sched.shared_loads.stats == {"waits": 1, "timeouts": 0}
     yield sched, a, b, hashes
-    sched.backend.close()
+    sched.hits.backend.close()
 
 
 def test_a_done_load_lets_the_waiting_request_take_its_blocks_from_vllms_cache(burst):
@@ -142,7 +142,7 @@ def test_unrelated_prefixes_and_sync_loads_never_wait(tmp_path):
     assert sched.get_num_new_matched_tokens(a, 0) == (12, True)
     _issue(sched, a, 3)
     assert sched.get_num_new_matched_tokens(other, 0) == (12, True)
-    sched.backend.close()
+    sched.hits.backend.close()
     sync = _scheduler(tmp_path, load_async=False)
     hashes = _committed(sync, 3)
     x, y = _req(hashes, "x"), _req(hashes, "y")
