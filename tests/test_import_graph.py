@@ -20,15 +20,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vllm_layerwise_patch"
 #: Parts that drive engines for tests; ``bench`` and ``demo`` may use them.
 TEST_DRIVERS = "testing"
 MAY_IMPORT_DRIVERS = ("testing", "bench", "demo")
-#: Cycles known and owned elsewhere, each with why it is still there.  The
-#: test fails when one of them is gone too, so the entry goes with the fix.
-KNOWN_CYCLES = {
-    frozenset({"activation", "patches", "pool"}):
-        "pool/scheduler.py and pool/worker_env.py ask activation.registry() whether "
-        "a patch is applied; activation builds the registry from every patch module, "
-        "and weights-digest-during-load calls the pool (issue 28 point 2 rewrites "
-        "those pool modules)",
-}
 
 
 @dataclass(frozen=True)
@@ -167,9 +158,8 @@ def node_graph(edges: tuple[Edge, ...]) -> tuple[dict[str, set[str]], dict[tuple
     return graph, sites
 
 
-def problems(root: Path, known: dict = {}) -> list[str]:  # noqa: B006 - read only
-    """What the rules forbid in the package at ``root``, one line each (a
-    cycle whose nodes are a key of ``known`` is left out)."""
+def problems(root: Path) -> list[str]:
+    """What the rules forbid in the package at ``root``, one line each."""
     edges = import_edges(root)
     out = []
     for e in edges:
@@ -177,8 +167,6 @@ def problems(root: Path, known: dict = {}) -> list[str]:  # noqa: B006 - read on
             out.append(f"production module {e.src} imports {e.dst} ({e.where})")
     graph, sites = node_graph(edges)
     for comp in _components(graph):
-        if frozenset(comp) in known:
-            continue
         path = _cycle(graph, comp)
         steps = ", ".join(f"{a} -> {b} ({sites[a, b]})" for a, b in zip(path, path[1:]))
         out.append(f"import cycle {' -> '.join(path)}: {steps}")
@@ -186,16 +174,8 @@ def problems(root: Path, known: dict = {}) -> list[str]:  # noqa: B006 - read on
 
 
 def test_the_package_imports_no_test_driver_from_production_and_has_no_cycle():
-    found = problems(PACKAGE, KNOWN_CYCLES)
+    found = problems(PACKAGE)
     assert not found, "\n".join(found)
-
-
-def test_each_known_cycle_is_still_there():
-    """A known cycle that is gone leaves its entry behind: remove it."""
-    graph, _ = node_graph(import_edges(PACKAGE))
-    cycles = {frozenset(c) for c in _components(graph)}
-    for nodes, why in KNOWN_CYCLES.items():
-        assert nodes in cycles, f"cycle {sorted(nodes)} is gone ({why}): drop its entry"
 
 
 def test_the_graph_is_read_from_the_source():

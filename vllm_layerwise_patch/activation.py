@@ -27,7 +27,7 @@ import threading
 from typing import Any
 
 from .envvars import ENV, FORCE_ENV, REPORT_DIR_ENV, explicit_ids, is_off, parse_selection
-from .registry import PatchStatus, Registry
+from .registry import PatchStatus, Registry, set_process_registry
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -54,6 +54,7 @@ def registry() -> Registry:
 
             _registry = Registry(all_patches())
             _registry.listeners.append(_write_report)
+            set_process_registry(_registry)
         return _registry
 
 

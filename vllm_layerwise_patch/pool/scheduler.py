@@ -292,9 +292,9 @@ class PoolScheduler:
                 self._report_errors = True
             else:
                 try:
-                    from ..activation import registry
+                    from ..registry import process_is_applied
 
-                    self._report_errors = registry().is_applied("hybrid-load-recompute")
+                    self._report_errors = process_is_applied("hybrid-load-recompute")
                 except Exception:  # pragma: no cover - defensive
                     self._report_errors = False
                 if self._report_errors:

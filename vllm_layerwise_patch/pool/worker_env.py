@@ -11,10 +11,9 @@ LAYERWISE_PATCHES = ("deferred-mamba-precopy", "gdn-layer-hooks")
 
 def layerwise_patches_applied() -> tuple[bool, str]:
     try:
-        from ..activation import registry
+        from ..registry import process_is_applied
 
-        reg = registry()
-        missing = [p for p in LAYERWISE_PATCHES if not reg.is_applied(p)]
+        missing = [p for p in LAYERWISE_PATCHES if not process_is_applied(p)]
     except Exception as exc:  # pragma: no cover - defensive
         return False, f"overlay registry unavailable ({exc})"
     if missing:

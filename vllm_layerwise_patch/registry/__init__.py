@@ -33,7 +33,7 @@ from .fingerprints import (
     verified_on,
 )
 from .installation import Installer, mark, patch_marker, unwrap_ours
-from .patch_registry import PatchStatus, Registry, State
+from .patch_registry import PatchStatus, Registry, State, process_is_applied, set_process_registry
 from .resolution import (
     VLLM_DISTRIBUTIONS,
     Decision,
@@ -55,6 +55,7 @@ __all__ = [
     "State", "Target", "Verdict", "Verified",
     "describe_drift", "detect_environment", "evaluate", "evaluate_row", "fingerprint",
     "live_fingerprints", "live_object", "mark", "matching_release", "nearest_release",
+    "process_is_applied", "set_process_registry",
     "parse_doc_fields", "patch_marker", "release_environment", "unwrap_ours",
     "release_fingerprints", "release_table", "resolve_declared", "resolve_source",
     "verified_on",

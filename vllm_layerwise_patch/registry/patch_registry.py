@@ -222,3 +222,23 @@ class Registry:
                 fn(st)
             except Exception:
                 logger.debug("status listener failed", exc_info=True)
+
+
+#: the registry of this process's overlay, once activation built it; parts of
+#: the overlay that only ask "is patch X applied here?" (the pool) read it
+#: through :func:`process_is_applied`, so they need not import activation,
+#: which imports every patch module
+_process_registry: Registry | None = None
+
+
+def set_process_registry(reg: Registry) -> None:
+    global _process_registry
+    _process_registry = reg
+
+
+def process_is_applied(pid: str) -> bool:
+    """Whether patch ``pid`` is applied in this process (False before the
+    overlay's registry exists, as no patch can be applied then)."""
+    reg = _process_registry
+    return reg is not None and pid in reg.status and reg.is_applied(pid)
+
