@@ -193,6 +193,8 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
                     ) -> list[bytes | None] | None:
         """Headers into the staging region, payloads straight into the pages
         (one ``batch_get_into_multi_buffers`` call per region-full)."""
+        if keys and self.cfg.client_address and self._stage:  # (mooncake_staged)
+            return self._direct_staged(self._ready(), keys, ptrs, lengths)
         if not keys or not self._memory.covers(ptrs, lengths):
             return None
         store = self._ready()
