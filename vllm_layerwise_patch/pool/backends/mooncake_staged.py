@@ -15,7 +15,9 @@ place, as after a zero-copy read.  While one batch is copied into the
 pages the next is read into a second region (when one is free): the
 holder's copy and ours overlap.
 
-The price is the layer overlap: the first layer waits for the whole step.
+Each slot is served once (its page holds this step's bytes only until the
+step's compute moves on); a later read of it reads again.  The price is
+the layer overlap: the first layer waits for the whole step.
 A slot whose page cannot take a direct copy (several pages per key, or a
 page that is not plain host memory) keeps a copy of its value for
 :meth:`read_many`; an object larger than a region, or a key not planned,
@@ -152,6 +154,9 @@ class StagedObjects:
             self._fill_staged(store)
             if any(w[1] not in self._staged for w in where):
                 return None  # (larger than a region)
+            if any(not isinstance(self._staged[w[1]], int) and w[2] not in self._staged[w[1]]
+                   for w in where):
+                return None  # (served already: read again)
             out: list[bytes | None] = []
             for k, w in zip(keys, where):
                 got = self._staged[w[1]]
@@ -159,7 +164,7 @@ class StagedObjects:
                     self._failed(got, k)
                     out.append(None)
                 else:
-                    out.append(got[w[2]])
+                    out.append(got.pop(w[2]))
             return out
 
     def _read_staged(self, store: Any, keys: list[bytes], where: dict[int, tuple], consume,
@@ -182,8 +187,8 @@ class StagedObjects:
                     elif slot not in got:
                         left.setdefault(o, []).append(i)
                     elif self._stage_dest[o].get(slot) is None:
-                        consume(i, keys[i], got[slot])
+                        consume(i, keys[i], got.pop(slot))
                     else:  # (its page holds the payload)
                         ptr, n = self._stage_dest[o][slot]
-                        consume(i, keys[i], got[slot] + ctypes.string_at(ptr, n))
+                        consume(i, keys[i], got.pop(slot) + ctypes.string_at(ptr, n))
         return left
