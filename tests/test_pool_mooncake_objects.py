@@ -165,47 +165,6 @@ def test_the_pipeline_loads_layer_ranges_in_one_session(cluster, register, shm, 
     be.close()
 
 
-def test_a_same_node_step_larger_than_a_region_is_read_whole_in_batches(cluster):
-    # a same-node client (no get sessions): a step's objects that do not fit
-    # one staging region (1 MiB buffer: 256 KiB regions, 24 objects of
-    # ~25 KiB) are read whole a region at a time - a few master queries,
-    # never one per object and layer (get_into_ranges)
-    be = backend(cluster.master_address, client_address=cluster.holder_address,
-                 local_buffer_size="1MiB")
-    hashes = [bytes([0x80 + i]) * 32 for i in range(24)]
-    for h in hashes:
-        be.put_many(block(h))
-    kv = torch.zeros(6 * len(hashes) * PAGE, dtype=torch.uint8)
-    pages = kv.view(6, len(hashes), PAGE)
-    pipe = LayerwisePipeline(LAYERS, be, NS, prefetch=2, threads=2)
-    before = cluster_requests(cluster)
-    pipe.load_all({LAYERS[i]: [(page_key(NS, ATTN, h, 0, str(i)), [pages[i, j]])
-                               for j, h in enumerate(hashes)] for i in range(6)})
-    asked = cluster_requests(cluster) - before
-    assert all(bool((pages[i] == i + 1).all()) for i in range(6))
-    assert 3 <= be.calls["whole_gets"] <= 4 and be.calls["ranged_gets"] == 0
-    assert asked <= 8, asked  # negative control below: 144 the per-layer way
-    be.close()
-    ranged = backend(cluster.master_address, client_address=cluster.holder_address,
-                     local_buffer_size="1MiB")
-    before = cluster_requests(cluster)
-    got = ranged.get_many([page_key(NS, ATTN, h, 0, "0") for h in hashes])
-    assert all(bytes(unpack(b"k", v, NS)) == b"\x01" * PAGE for v in got)
-    assert cluster_requests(cluster) - before >= len(hashes)  # (no plan: one per object)
-    ranged.close()
-
-
-def cluster_requests(cluster) -> float:
-    """Requests the master has served (its metrics)."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics",
-                                  timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("master_") and "_requests_total" in line.split()[0]
-               and "ping" not in line)
-
-
 def _writer(address: str, first: int, ready) -> None:
     be = backend(address)
     ready.set()

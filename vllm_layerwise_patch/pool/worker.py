@@ -294,7 +294,8 @@ class PoolWorker(WorkerAsyncLoads, WorkerLoads, PoolSide):
                    "save_failures": q.failures, "save_write_seconds": q.write_seconds,
                    "save_cpu_seconds": q.cpu_seconds, "save_hook_seconds": self._hook_seconds,
                    "precopy_seconds": self._precopy_seconds,
-                   "evictions": getattr(self.backend, "evicted_groups", 0)}
+                   "evictions": getattr(self.backend, "evicted_groups", 0),
+                   "put_skipped": getattr(self.backend, "put_skipped", 0)}
             self.stats.add(**{k: now[k] - self._reported.get(k, 0) for k in now})
             self._reported = now
 
