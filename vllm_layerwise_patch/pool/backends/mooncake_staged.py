@@ -7,13 +7,13 @@ Such a client has no get sessions (``batch_get_session_start`` answers
 and call - a layer of 8 blocks is 8 queries, a 48-layer hit 384 - and it can
 register nothing but the holder's shared memory, so no read lands in a KV
 page.  So the first layer's read of a step takes every planned object of
-the step (:meth:`plan_loads`) whole, in staging-region-sized batches of
-``batch_get_into`` (one master query per batch), and copies each slot's
+the step (:meth:`plan_loads`) whole, in batches of ``batch_get_into`` of at
+most a staging region each (one master query per batch), and copies each slot's
 payload straight into its layer's page, keeping the slot's header; every
 layer then gets its headers (:meth:`read_direct`) and checks its pages in
-place, as after a zero-copy read.  While one batch is copied into the
-pages the next is read into a second region (when one is free): the
-holder's copy and ours overlap.
+place, as after a zero-copy read.  Up to three batches are read at once,
+each into a region of its own (when free), while the oldest is copied
+into the pages: the holder's copies and ours overlap.
 
 Each slot is served once (its page holds this step's bytes only until the
 step's compute moves on); a later read of it reads again.  The price is
@@ -26,12 +26,19 @@ is read as ranges (``get_into_ranges``).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import ctypes
 from typing import Any
 
 from .base import HEADER_SIZE, VALUE_OFFSET
 from .mooncake_io import slot_value as _value
+
+
+#: batches of whole objects in flight at once (a region each, when free)
+STAGE_REGIONS = 3
+#: a batch is at least this large (smaller ones cost more than they overlap)
+MIN_BATCH = 8 << 20
 
 
 class StagedObjects:
@@ -61,48 +68,61 @@ class StagedObjects:
                     (d.data_ptr(), d.element_size() * d.numel()) if ok else None)
 
     def _fill_staged(self, store: Any) -> None:
-        """Read every planned object not read yet (``_plan_lock`` held)."""
+        """Read every planned object not read yet (``_plan_lock`` held): up
+        to ``STAGE_REGIONS`` batches in flight, each in a region of its own,
+        while the oldest is copied out."""
         staging = self._staging
-        todo = [o for o in self._stage if o not in self._staged]
-        chunks: list[list[str]] = []
         room = staging.region_size - 64  # (objects start VALUE_OFFSET past a line)
-        used = room
-        for o in todo:
-            lay, n = self._stage[o]
-            size = lay.slot * n
-            if size > room:
-                continue  # (read as ranges)
-            if used + size > room:
-                chunks.append([])
-                used = 0
-            chunks[-1].append(o)
-            used += size
-        if not chunks:
+        todo = [o for o in self._stage if o not in self._staged
+                and self._stage[o][0].slot * self._stage[o][1] <= room]  # (others: ranges)
+        if not todo:
             return
-        regions, pending = [staging.acquire()], None
+        regions = [staging.acquire()]
+        pending: collections.deque = collections.deque()
         try:
-            if len(chunks) > 1:  # a second region: read the next batch meanwhile
-                second = staging.try_acquire()
-                if second is not None:
-                    regions.append(second)
+            total = sum(self._stage[o][0].slot * self._stage[o][1] for o in todo)
+            while len(regions) < STAGE_REGIONS and total > room * len(regions):
+                extra = staging.try_acquire()
+                if extra is None:
+                    break
+                regions.append(extra)
+            # batches: as even as the regions allow (concurrent reads go faster)
+            share = min(room, max(MIN_BATCH, -(-total // len(regions))))
+            chunks: list[list[str]] = []
+            used = share
+            for o in todo:
+                size = self._stage[o][0].slot * self._stage[o][1]
+                if used + size > share:
+                    chunks.append([])
+                    used = 0
+                chunks[-1].append(o)
+                used += size
             if self._stage_pool is None:
-                self._stage_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="vlp-mc-stage")
-            pending = self._stage_pool.submit(self._get_chunk, store, chunks[0], regions[0])
-            for k, chunk in enumerate(chunks):
-                got, pending = pending.result(), None
-                nxt = k + 1 < len(chunks)
-                if nxt and len(regions) > 1:
-                    pending = self._stage_pool.submit(self._get_chunk, store, chunks[k + 1],
-                                                      regions[(k + 1) % 2])
+                self._stage_pool = cf.ThreadPoolExecutor(STAGE_REGIONS,
+                                                         thread_name_prefix="vlp-mc-stage")
+            left, free = iter(chunks), list(regions)
+
+            def submit() -> None:
+                chunk = next(left, None)
+                if chunk is not None:
+                    r = free.pop()
+                    pending.append((chunk, r, self._stage_pool.submit(
+                        self._get_chunk, store, chunk, r)))
+
+            for _ in regions:
+                submit()
+            while pending:
+                chunk, r, fut = pending[0]
+                got = fut.result()
+                pending.popleft()
                 self._check([rc for _, rc in got], "get")
                 self._copy_out(chunk, got)
-                if nxt and len(regions) == 1:
-                    pending = self._stage_pool.submit(self._get_chunk, store, chunks[k + 1],
-                                                      regions[0])
+                free.append(r)
+                submit()
         finally:
-            if pending is not None:
+            for _, _, fut in pending:  # (never release a region still being written)
                 try:
-                    pending.result()  # (never release a region still being written)
+                    fut.result()
                 except Exception:  # noqa: BLE001
                     pass
             for r in regions:
