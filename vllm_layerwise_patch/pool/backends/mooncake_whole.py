@@ -63,16 +63,17 @@ class WholeObjects(StagedObjects):
                 return
             if not (self._segment_mounted and self._layouts and self._store is not None):
                 return
+            found = []
             for items in tasks.values():
                 for key, dests in items:
                     where = self._locate(key)
                     if where is None or len(dests) != 1 or dests[0].device.type != "cpu":
                         continue
-                    lay, obj, slot, n = where
-                    d = dests[0]
-                    if not self._memory.covers([d.data_ptr()], [d.numel()]):
-                        continue
-                    self._plan.setdefault(obj, {})[slot] = (d.data_ptr(), d.numel())
+                    found.append((where, dests[0].data_ptr(), dests[0].numel()))
+            every = self._memory.covers([p for _, p, _ in found], [n for _, _, n in found])
+            for (lay, obj, slot, n), ptr, size in found:
+                if every or self._memory.covers([ptr], [size]):
+                    self._plan.setdefault(obj, {})[slot] = (ptr, size)
                     self._plan_slots[obj] = (lay, n)
 
     def _whole(self, store: Any, objs: list[str]) -> None:
