@@ -44,11 +44,12 @@ backend maps a page key to its object's range and a marker to the object.
   read the whole object (``batch_get_into``).  A worker holding a segment
   reads whole objects straight into the KV pages instead
   (:mod:`.mooncake_whole`: local replicas copy at memcpy speed, ranges do
-  not).  ``get_into_ranges`` asks the master once per object and call (48 x 8
+  not).  A same-node client has no get sessions: it reads the step's
+  objects whole, a staging region at a time (:mod:`.mooncake_staged`).
+  ``get_into_ranges`` asks the master once per object and call (48 x 8
   queries for 8 blocks of 48 layers, measured), the session once: it only
-  serves a same-node client's objects that do not fit its staging region
-  (such a client has no get sessions; it reads the step's objects whole,
-  :mod:`.mooncake_whole`).
+  serves such a client's reads that no load plan announced (or an object
+  larger than a staging region).
 * A replica list cached in a session can outlive the object only past
   its read lease; each range carries its own header and checksum, so such
   a read fails its check and takes the load-failure path.
