@@ -291,6 +291,8 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
         self.refs -= 1
         if self.refs <= 0 and not self.closed:
             self.closed = True
+            if self._stage_pool is not None:  # (mooncake_staged's readers)
+                self._stage_pool.shutdown(wait=False)
             if self._store is not None:
                 try:
                     self._store.close()

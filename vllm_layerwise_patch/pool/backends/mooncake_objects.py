@@ -266,7 +266,7 @@ class BlockObjects(ObjectReads):
         """One ``batch_put_from_multi_buffers``; with the fault injection
         ``mooncake_put_transfer_fails`` (tests) the first objects of the
         process report -800 instead, not written."""
-        fail = min(self._inject_put_fails, len(names))
+        fail = max(0, min(self._inject_put_fails, len(names)))
         if not fail:
             return list(store.batch_put_from_multi_buffers(names, ptrs, sizes, config))
         self._inject_put_fails -= fail
