@@ -238,6 +238,7 @@ def main() -> None:
     ap.add_argument("--backends",
                     default="lmdb,mooncake-tcp,mooncake-shm,mooncake-own,tcp-socket")
     ap.add_argument("--layers", default="8,48")
+    ap.add_argument("--pages-kib", default="160,2048", help="per-layer page sizes (KiB)")
     ap.add_argument("--layouts", default="per-layer,per-block",
                     help="Mooncake key layouts (LMDB keeps per-layer entries)")
     args = ap.parse_args()
@@ -255,7 +256,8 @@ def main() -> None:
     try:
         cases = [(layers, page, kind, layout)
                  for layers in map(int, args.layers.split(","))
-                 for page in (160 << 10, 2 << 20) for kind in kinds
+                 for page in (int(p) << 10 for p in args.pages_kib.split(","))
+                 for kind in kinds
                  for layout in (args.layouts.split(",") if kind.startswith("mooncake")
                                 else ["-"])]
         for layers, page, kind, layout in cases:

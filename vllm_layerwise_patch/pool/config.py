@@ -106,7 +106,8 @@ class MooncakeConfig(BaseModel):
         default=256 << 20,
         description="registered staging buffer per process for loads and saves (a quarter "
                     "must hold one layer's pages of a step, and with `block_objects` one "
-                    "block's pages of one kind: every layer's)")
+                    "block's pages of one kind: every layer's; a same-node client reads a "
+                    "step's block objects through it, up to three quarters at a time)")
     replica_num: int = Field(default=1, ge=1, le=16, description="replicas per entry")
     client_address: Address | None = Field(
         default=None,

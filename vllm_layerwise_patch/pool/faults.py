@@ -65,6 +65,9 @@ class Faults:
     #: a removal moves the pool's generation only after its commit (the order
     #: before the fix)
     late_removal_bump: bool = False
+    #: fault injection: the Mooncake backend's first this many block-object
+    #: puts of a process report a transfer failure (-800) without writing
+    mooncake_put_transfer_fails: int = 0
 
     @property
     def active(self) -> list[str]:

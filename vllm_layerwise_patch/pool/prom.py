@@ -76,6 +76,10 @@ METRICS: tuple[Metric, ...] = (
            "filesystem is full."),
     Metric("failed_saves", "counter", "save_failures",
            "Saves that failed with a backend error (their blocks are not stored)."),
+    Metric("put_skipped", "counter", "put_skipped",
+           "Mooncake block objects given up: their put failed with a transfer error "
+           "(-800, e.g. a segment holder just restarted) and again when retried once; "
+           "that step's save fails (also counted in `failed_saves`)."),
     Metric("evictions", "counter", "evictions",
            "Block groups (one block's pages of one kind on one TP rank) evicted to make "
            "room for this engine's saves."),

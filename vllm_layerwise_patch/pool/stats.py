@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
             "bytes_saved", "save_seconds", "blocks_saved", "load_failures",
             "saves_skipped", "save_failures", "evictions", "save_write_seconds",
-            "save_cpu_seconds", "save_hook_seconds", "precopy_seconds",
+            "save_cpu_seconds", "save_hook_seconds", "precopy_seconds", "put_skipped",
             # the scheduler's: once per engine whatever the TP size
             "lookup_hit_tokens", "lookup_hit_blocks")
 #: the pool's fill, sent by the scheduler side (latest value wins)
@@ -87,6 +87,7 @@ class PoolStats(KVConnectorStats):
             "Requests with failed loads": int(d["load_failures"]),
             "Saves skipped (pool full)": int(d["saves_skipped"]),
             "Failed saves": int(d["save_failures"]),
+            "Block objects given up (transfer failed twice)": int(d["put_skipped"]),
             "Blocks evicted": int(d["evictions"]),
         } | ({"Pool used (GB)": round(d["pool_used_bytes"] / gb, 4)}
              if "pool_used_bytes" in d else {})

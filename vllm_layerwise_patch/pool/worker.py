@@ -196,7 +196,8 @@ class PoolWorker:
             now = {**self.loads.totals(), **self.saves.totals(),
                    "save_hook_seconds": self._hook_seconds,
                    "precopy_seconds": self._precopy_seconds,
-                   "evictions": getattr(self.backend, "evicted_groups", 0)}
+                   "evictions": getattr(self.backend, "evicted_groups", 0),
+                   "put_skipped": getattr(self.backend, "put_skipped", 0)}
             self.stats.add(**{k: now[k] - self._reported.get(k, 0) for k in now})
             self._reported = now
 

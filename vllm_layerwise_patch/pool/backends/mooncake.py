@@ -193,6 +193,8 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
                     ) -> list[bytes | None] | None:
         """Headers into the staging region, payloads straight into the pages
         (one ``batch_get_into_multi_buffers`` call per region-full)."""
+        if keys and self.cfg.client_address and self._stage:  # (mooncake_staged)
+            return self._direct_staged(self._ready(), keys, ptrs, lengths)
         if not keys or not self._memory.covers(ptrs, lengths):
             return None
         store = self._ready()
@@ -289,6 +291,8 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
         self.refs -= 1
         if self.refs <= 0 and not self.closed:
             self.closed = True
+            if self._stage_pool is not None:  # (mooncake_staged's readers)
+                self._stage_pool.shutdown(wait=False)
             if self._store is not None:
                 try:
                     self._store.close()

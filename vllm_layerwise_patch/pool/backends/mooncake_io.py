@@ -56,6 +56,13 @@ class Staging:
     def acquire(self) -> int:
         return self._free.get()
 
+    def try_acquire(self) -> int | None:
+        """A region if one is free now, else None."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
+
     def release(self, ptr: int) -> None:
         self._free.put(ptr)
 

@@ -44,11 +44,12 @@ backend maps a page key to its object's range and a marker to the object.
   read the whole object (``batch_get_into``).  A worker holding a segment
   reads whole objects straight into the KV pages instead
   (:mod:`.mooncake_whole`: local replicas copy at memcpy speed, ranges do
-  not).  ``get_into_ranges`` asks the master once per object and call (48 x 8
+  not).  A same-node client has no get sessions: it reads the step's
+  objects whole, a staging region at a time (:mod:`.mooncake_staged`).
+  ``get_into_ranges`` asks the master once per object and call (48 x 8
   queries for 8 blocks of 48 layers, measured), the session once: it only
-  serves a same-node client's objects that do not fit its staging region
-  (such a client has no get sessions; it reads the step's objects whole,
-  :mod:`.mooncake_whole`).
+  serves such a client's reads that no load plan announced (or an object
+  larger than a staging region).
 * A replica list cached in a session can outlive the object only past
   its read lease; each range carries its own header and checksum, so such
   a read fails its check and takes the load-failure path.
@@ -70,6 +71,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from ..faults import faults
 from ..keys import ATTN, COMMIT, STATE, layer_id
 from .generation import Generation
 from .base import HEADER_SIZE, VALUE_OFFSET, BackendError, PoolFull
@@ -127,6 +129,7 @@ class BlockObjects(ObjectReads):
         self._sessions: dict[str, tuple[float, set[int]]] = {}  # object -> (start, slots left)
         self._session_lock = threading.Lock()
         self.put_skipped = 0  # objects given up after a retried transfer failure
+        self._inject_put_fails = faults().mooncake_put_transfer_fails  # (tests)
         self._stores = self._removals = 0  # this process's own (generation())
         self._init_whole()
 
@@ -240,18 +243,33 @@ class BlockObjects(ObjectReads):
                         names.append(obj)
                         ptrs.append(p)
                         sizes.append(s)
-                    rcs = store.batch_put_from_multi_buffers(names, ptrs, sizes, config)
+                    rcs = self._put_batch(store, names, ptrs, sizes, config)
                     self._check(rcs, "put")
                     self.calls["put_objects"] += 1
-                    for obj, rc in zip(names, rcs):
-                        if rc in (0, EXISTS):
-                            continue
+                    bad = [(o, rc) for o, rc in zip(names, rcs) if rc not in (0, EXISTS)]
+                    if attempt == 0:  # (a holder just restarted: once more)
+                        retry += [(o, objs[o]) for o, rc in bad if rc == TRANSFER_FAIL]
+                        bad = [(o, rc) for o, rc in bad if rc != TRANSFER_FAIL]
+                    else:
+                        self.put_skipped += sum(rc == TRANSFER_FAIL for _, rc in bad)
+                    for obj, rc in bad:
                         if rc == NO_SPACE:
                             raise PoolFull(f"Mooncake put of {obj!r}: {describe(rc)}")
-                        if rc == TRANSFER_FAIL and attempt == 0:
-                            retry.append((obj, objs[obj]))
-                            continue
-                        if rc == TRANSFER_FAIL:
-                            self.put_skipped += 1
-                        raise BackendError(f"Mooncake put of {obj!r}: {describe(rc)}")
+                    if bad:
+                        obj, rc = bad[0]
+                        raise BackendError(f"Mooncake put of {obj!r}: {describe(rc)}"
+                                           + (" (retried once)" if attempt else ""))
                 todo, retry = retry, []
+
+    def _put_batch(self, store: Any, names: list[str], ptrs: list, sizes: list, config: Any
+                   ) -> list[int]:
+        """One ``batch_put_from_multi_buffers``; with the fault injection
+        ``mooncake_put_transfer_fails`` (tests) the first objects of the
+        process report -800 instead, not written."""
+        fail = max(0, min(self._inject_put_fails, len(names)))
+        if not fail:
+            return list(store.batch_put_from_multi_buffers(names, ptrs, sizes, config))
+        self._inject_put_fails -= fail
+        rest = (store.batch_put_from_multi_buffers(names[fail:], ptrs[fail:], sizes[fail:],
+                                                   config) if fail < len(names) else [])
+        return [TRANSFER_FAIL] * fail + list(rest)

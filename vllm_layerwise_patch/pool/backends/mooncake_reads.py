@@ -78,6 +78,10 @@ class ObjectReads(WholeObjects):
         whole = [o for o, idx in by_obj.items()
                  if len({where[i][2] for i in idx}) == where[idx[0]][3]]
         ranged = [o for o in by_obj if o not in set(whole)]
+        if ranged and self.cfg.client_address:  # (no get sessions: mooncake_staged)
+            left = self._read_staged(store, keys, where, consume, ranged, by_obj)
+            by_obj.update(left)
+            ranged = list(left)
         staging = self._staging
         with staging.region() as region:
             if whole:
@@ -99,10 +103,7 @@ class ObjectReads(WholeObjects):
             n_slots = {o: where[by_obj[o][0]][3] for o in ranged}
             want = {o: {where[i][2] for i in by_obj[o]} for o in ranged}
             if self.cfg.client_address:  # (a same-node client has no get sessions)
-                ranged = self._staged(store, keys, where, consume, ranged, by_obj)
-                if ranged:
-                    self._plain_ranges(store, keys, where, consume, sizes, ranged, by_obj,
-                                       region)
+                self._plain_ranges(store, keys, where, consume, sizes, ranged, by_obj, region)
                 return
             started = self._session(store, want, n_slots)
             for o in ranged:

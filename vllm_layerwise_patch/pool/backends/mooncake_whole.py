@@ -17,11 +17,8 @@ headers to check them (each page is still checked before use, in place).
 The price: the first layer waits for the whole block (no layer overlap for
 these objects) - at memcpy speed.
 
-A same-node client (``client_address``) has no get sessions, and its ranged
-reads ask the master once per object and layer: there the first layer's
-read takes the step's planned objects whole into a staging region held for
-the step (as many as fit; the rest are read as ranges), and every layer
-copies its pages from there.
+A same-node client (``client_address``) reads whole objects too, through
+its staging buffer (:mod:`.mooncake_staged`).
 """
 
 from __future__ import annotations
@@ -31,23 +28,20 @@ import threading
 from typing import Any
 
 from .base import HEADER_SIZE
-from .mooncake_io import slot_value as _value
+from .mooncake_staged import StagedObjects
 
 #: header area: this many headers per step at most (others load as ranges)
 HEADERS = 16384
 
 
-class WholeObjects:
+class WholeObjects(StagedObjects):
     def _init_whole(self) -> None:
         self._plan: dict[str, dict[int, tuple[int, int]]] = {}  # object -> slot -> (ptr, len)
         self._plan_slots: dict[str, tuple[Any, int]] = {}  # object -> (layout, slots)
         self._heads: dict[str, int | None] = {}  # fetched object -> its header area
         self._plan_lock = threading.Lock()
         self._head_buf: Any = None
-        self._stage: dict[str, tuple[Any, int]] = {}  # same-node: object -> (layout, slots)
-        self._staged_at: dict[str, int | None] = {}  # fetched -> its address (None: failed)
-        self._stage_left = 0  # planned slots not read yet
-        self._stage_region: int | None = None
+        self._init_staged()
 
     def _head_area(self, slot: int) -> int | None:
         """The registered header and scratch area (allocated once)."""
@@ -64,27 +58,22 @@ class WholeObjects:
         where this process holds a segment and reads into registered pages."""
         with self._plan_lock:
             self._plan, self._plan_slots, self._heads = {}, {}, {}
-            self._release_stage()
-            if self.cfg.client_address and self._layouts:
-                for items in tasks.values():
-                    for key, _dests in items:
-                        where = self._locate(key)
-                        if where is not None:
-                            self._stage[where[1]] = (where[0], where[3])
-                            self._stage_left += 1
+            if self.cfg.client_address:  # (mooncake_staged)
+                self._plan_staged(tasks if self._layouts else {})
                 return
             if not (self._segment_mounted and self._layouts and self._store is not None):
                 return
+            found = []
             for items in tasks.values():
                 for key, dests in items:
                     where = self._locate(key)
                     if where is None or len(dests) != 1 or dests[0].device.type != "cpu":
                         continue
-                    lay, obj, slot, n = where
-                    d = dests[0]
-                    if not self._memory.covers([d.data_ptr()], [d.numel()]):
-                        continue
-                    self._plan.setdefault(obj, {})[slot] = (d.data_ptr(), d.numel())
+                    found.append((where, dests[0].data_ptr(), dests[0].numel()))
+            every = self._memory.covers([p for _, p, _ in found], [n for _, _, n in found])
+            for (lay, obj, slot, n), ptr, size in found:
+                if every or self._memory.covers([ptr], [size]):
+                    self._plan.setdefault(obj, {})[slot] = (ptr, size)
                     self._plan_slots[obj] = (lay, n)
 
     def _whole(self, store: Any, objs: list[str]) -> None:
@@ -146,56 +135,3 @@ class WholeObjects:
                     at = head + where[i][2] * HEADER_SIZE
                     out[i] = bytes((ctypes.c_ubyte * HEADER_SIZE).from_address(at))
         return left
-
-    # -- a same-node client: whole objects into a staging region ---------------
-    def _release_stage(self) -> None:
-        if self._stage_region is not None:
-            self._staging.release(self._stage_region)
-        self._stage, self._staged_at, self._stage_left, self._stage_region = {}, {}, 0, None
-
-    def _staged(self, store: Any, keys: list[bytes], where: dict[int, tuple], consume,
-                ranged: list[str], by_obj: dict[str, list[int]]) -> list[str]:
-        """Serve the slots of this step's planned objects from whole reads
-        into a held staging region; returns the objects left for ranges."""
-        with self._plan_lock:
-            todo = [o for o in self._stage if o not in self._staged_at]
-            if todo and any(o in self._stage for o in ranged):
-                staging = self._staging
-                if self._stage_region is None:
-                    self._stage_region = staging.acquire()
-                used = sum(self._stage[o][0].slot * self._stage[o][1]
-                           for o, at in self._staged_at.items() if at is not None)
-                names, ptrs, sizes = [], [], []
-                for o in todo:
-                    size = self._stage[o][0].slot * self._stage[o][1]
-                    if used + size > staging.region_size:
-                        self._staged_at[o] = None  # (read as ranges)
-                        continue
-                    names.append(o)
-                    ptrs.append(self._stage_region + used)
-                    sizes.append(size)
-                    used += size
-                if names:
-                    rcs = store.batch_get_into(names, ptrs, sizes)
-                    self._check(rcs, "get")
-                    self.calls["whole_gets"] += 1
-                    for o, p, n, rc in zip(names, ptrs, sizes, rcs):
-                        self._staged_at[o] = p if rc == n else min(rc, -1)
-            left = []
-            for o in ranged:
-                at = self._staged_at.get(o)
-                if at is None:
-                    left.append(o)
-                    continue
-                for i in by_obj[o]:
-                    lay, slot = where[i][0], where[i][2]
-                    self._stage_left -= 1
-                    if at < 0:
-                        self._failed(at, keys[i])
-                        consume(i, keys[i], None)
-                    else:
-                        view = self._staging.view(at + slot * lay.slot, lay.slot)
-                        consume(i, keys[i], _value(view))
-            if self._stage_left <= 0 and self._stage_region is not None:
-                self._release_stage()
-            return left
