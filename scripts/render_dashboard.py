@@ -105,12 +105,15 @@ def dashboard() -> dict:
                 "p99 per step (s)")], "s", (12, 12, 12, 8)),
         panel(9, "timeseries", "Failures and evictions", "Failed loads (recomputed or "
               "failed), skipped saves (no room), failed saves, evicted block groups, "
-              "Mooncake block objects given up (transfer failed twice).",
+              "Mooncake block objects given up (transfer failed twice), requests that "
+              "waited for another request's load of their prefix and gave up waiting.",
               [(rate(pool("failed_loads")), "failed loads"),
                (rate(pool("skipped_saves")), "skipped saves"),
                (rate(pool("failed_saves")), "failed saves"),
                (rate(pool("evictions")), "evictions"),
-               (rate(pool("put_skipped")), "objects given up")], "short", (0, 20, 12, 8)),
+               (rate(pool("put_skipped")), "objects given up"),
+               (rate(pool("shared_load_timeouts")), "shared-load waits given up")],
+              "short", (0, 20, 12, 8)),
         panel(10, "timeseries", "Pool fill", "Bytes of pool pages in use and the capacity "
               "(embedded backend; every engine's entries).",
               [(f"max({used}{{{F}}})", "used"), (f"max({cap}{{{F}}})", "capacity")],

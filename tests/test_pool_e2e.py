@@ -350,6 +350,9 @@ def test_async_burst_on_one_prefix_reads_it_once_with_identical_tokens(tiny_mode
     # (3 GDN layers' states, 134 144 B each; DESIGN section 8)
     hit = 3 * 163840 + 3 * 134144
     assert sum(int(f["Loaded (bytes)"]) for f in lines) == loads * hit
+    # the waits reach vLLM's stats (scheduler side, once per waiting request)
+    waits = sum(int(f.get("Lookups waiting on a shared load", 0)) for f in lines)
+    assert (1 <= waits <= 3) if share else waits == 0, waits
 
 
 def test_failed_async_load_recomputes_with_identical_tokens(tiny_model_dir, work, pool_a,

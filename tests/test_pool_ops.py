@@ -118,7 +118,7 @@ def test_scheduler_side_counts_once_and_sends_the_fill_when_it_changes(tmp_path)
 
     write_pool(tmp_path / "pool", blocks=1)
     backend = LmdbBackend(str(tmp_path / "pool"), 8 << 20)
-    counts = {"hit_tokens": 0}
+    counts = {"hit_tokens": 0, "waits": 0, "timeouts": 0}
     side = SchedulerSideStats(lambda: counts, backend, block_size=640, interval=0)
     first = side.take().data
     assert first["pool_entries"] == 7 and first["pool_capacity_bytes"] == 8 << 20
@@ -127,7 +127,13 @@ def test_scheduler_side_counts_once_and_sends_the_fill_when_it_changes(tmp_path)
     counts["hit_tokens"] = 3 * 640
     got = side.take().data
     assert (got["lookup_hit_tokens"], got["lookup_hit_blocks"]) == (1920, 3)
-    assert "pool_entries" not in got
+    assert "pool_entries" not in got and got["shared_load_waits"] == 0
+    counts["waits"] += 2  # two lookups waited for another request's load (inflight)
+    assert side.take().data["shared_load_waits"] == 2
+    counts["waits"] += 1
+    counts["timeouts"] += 1
+    got = side.take().data
+    assert (got["shared_load_waits"], got["shared_load_timeouts"]) == (1, 1)
     backend.delete_groups([group_key(NS_A, "attn", b"\1" * 32, 0)])
     assert side.take().data["pool_entries"] == 4
     backend.close()

@@ -141,8 +141,9 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(self.backend, NoPool):  # (said once, when it was opened)
                 self._sched.loads_on = self._sched.saves_on = False
             avoid_engine_stop(self._sched)
-            self._sched_stats = SchedulerSideStats(lambda: self._sched.stats, self.backend,
-                                                   self.layout.block_size)
+            self._sched_stats = SchedulerSideStats(
+                lambda: self._sched.stats | self._sched.shared_loads.stats, self.backend,
+                self.layout.block_size)
             self._describe_namespace()
         else:
             from .worker import PoolWorker

@@ -80,6 +80,12 @@ METRICS: tuple[Metric, ...] = (
            "Mooncake block objects given up: their put failed with a transfer error "
            "(-800, e.g. a segment holder just restarted) and again when retried once; "
            "that step's save fails (also counted in `failed_saves`)."),
+    Metric("shared_load_waits", "counter", "shared_load_waits",
+           "Requests whose lookup waited for another request's asynchronous load of the "
+           "same blocks (`load_async`; counted once per request, see `share_loads_seconds`)."),
+    Metric("shared_load_timeouts", "counter", "shared_load_timeouts",
+           "Requests that waited `share_loads_seconds` for another request's load and then "
+           "loaded their own hit."),
     Metric("evictions", "counter", "evictions",
            "Block groups (one block's pages of one kind on one TP rank) evicted to make "
            "room for this engine's saves."),

@@ -1,7 +1,8 @@
 """What the scheduler side adds to the connector's stats (vLLM asks the
 scheduler's connector for stats after every step's output): the tokens and
 blocks its lookups served from the pool - counted once per engine, where the
-workers' counts repeat on every TP rank - and the pool's fill (embedded
+workers' counts repeat on every TP rank -, the lookups that waited for
+another request's load of the same blocks (``inflight``), and the pool's fill (embedded
 backend), read at most once per ``interval`` seconds and sent only when it
 changed, so an idle pool adds nothing to vLLM's periodic log line."""
 
@@ -14,6 +15,10 @@ from typing import Any
 from .fill import pool_fill
 from .stats import PoolStats
 
+#: running totals of the scheduler side sent as increments: name in the
+#: scheduler's counts -> counter in :class:`PoolStats`
+DELTAS = {"waits": "shared_load_waits", "timeouts": "shared_load_timeouts"}
+
 
 class SchedulerSideStats:
     def __init__(self, counts: Callable[[], dict[str, int]], backend: Any, block_size: int,
@@ -23,6 +28,7 @@ class SchedulerSideStats:
         self.block_size = max(1, int(block_size))
         self.interval = interval
         self._hit_tokens = 0
+        self._sent = dict.fromkeys(DELTAS, 0)
         self._next_fill = 0.0
         self._fill: dict[str, int] | None = None
 
@@ -30,12 +36,18 @@ class SchedulerSideStats:
         """Counts since the last call, and the fill when it changed; None when
         there is nothing to report."""
         out: dict[str, Any] = {}
-        hit = int(self.counts().get("hit_tokens", 0))
+        counts = self.counts()
+        hit = int(counts.get("hit_tokens", 0))
         if hit != self._hit_tokens:
             B = self.block_size
             out["lookup_hit_tokens"] = hit - self._hit_tokens
             out["lookup_hit_blocks"] = hit // B - self._hit_tokens // B
             self._hit_tokens = hit
+        for name, counter in DELTAS.items():
+            n = int(counts.get(name, 0))
+            if n != self._sent[name]:
+                out[counter] = n - self._sent[name]
+                self._sent[name] = n
         now = time.monotonic()
         if now >= self._next_fill:
             self._next_fill = now + self.interval

@@ -22,7 +22,8 @@ COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
             "saves_skipped", "save_failures", "evictions", "save_write_seconds",
             "save_cpu_seconds", "save_hook_seconds", "precopy_seconds", "put_skipped",
             # the scheduler's: once per engine whatever the TP size
-            "lookup_hit_tokens", "lookup_hit_blocks")
+            "lookup_hit_tokens", "lookup_hit_blocks", "shared_load_waits",
+            "shared_load_timeouts")
 #: the pool's fill, sent by the scheduler side (latest value wins)
 GAUGES = ("pool_used_bytes", "pool_capacity_bytes", "pool_entries")
 #: counters of which each worker step's amount is also kept as a sample
@@ -89,5 +90,6 @@ class PoolStats(KVConnectorStats):
             "Failed saves": int(d["save_failures"]),
             "Block objects given up (transfer failed twice)": int(d["put_skipped"]),
             "Blocks evicted": int(d["evictions"]),
+            "Lookups waiting on a shared load": int(d["shared_load_waits"]),
         } | ({"Pool used (GB)": round(d["pool_used_bytes"] / gb, 4)}
              if "pool_used_bytes" in d else {})
