@@ -11,20 +11,11 @@ import pytest
 import torch
 
 from test_pool_mooncake_objects import LAYERS, NS, PAGE, backend, block
-from vllm_layerwise_patch.mooncake_local import LocalMooncake, free_port
+from test_pool_mooncake_objects import cluster  # noqa: F401 - the module's own master and holder
 from vllm_layerwise_patch.pool.backends.base import BackendError, unpack
 from vllm_layerwise_patch.pool.keys import ATTN, marker_key, page_key
 from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
 from vllm_layerwise_patch.pool.saving import SaveQueue
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    lm = LocalMooncake(tmp_path_factory.mktemp("mooncake"), rpc_port=free_port(),
-                       metrics_port=free_port(), holder=128 << 20,
-                       holder_port=free_port()).start()
-    yield lm
-    lm.stop()
 
 
 def test_a_same_node_step_larger_than_a_region_is_read_whole_in_batches(cluster):
