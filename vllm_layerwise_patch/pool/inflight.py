@@ -79,9 +79,7 @@ class InflightLoads:
         hashes = request.block_hashes
         if not L.hashes_match(hashes, request.num_tokens):
             return False  # (the lookup logs it)
-        B = L.block_size
-        n = min(L.num_blocks(hashes), max(0, (request.num_tokens - 1) // B))
-        local = num_computed_tokens // B
+        local, n = L.hit_span(hashes, request.num_tokens, num_computed_tokens)
         if n <= local or not any(h in self._holders
                                  for h in L.block_hashes(hashes, local, n)):
             self._waiting.pop(rid, None)

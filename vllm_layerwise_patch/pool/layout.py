@@ -161,6 +161,14 @@ class PoolLayout:
     def block_hashes(self, hashes: Sequence[Any], start: int, end: int) -> list[bytes]:
         return [self.block_hash(hashes, i) for i in range(start, end)]
 
+    def hit_span(self, hashes: Sequence[Any], num_tokens: int,
+                 num_computed_tokens: int) -> tuple[int, int]:
+        """Pool blocks ``[local, n)`` a hit could load: past the local hit,
+        up to the last full block before the prompt's last token (one token
+        is always computed).  Empty when ``n <= local``."""
+        n = min(self.num_blocks(hashes), max(0, (num_tokens - 1) // self.block_size))
+        return num_computed_tokens // self.block_size, n
+
     def hashes_match(self, hashes: Sequence[Any], num_tokens: int) -> bool:
         """vLLM hashed this request at the granularity the layout assumes."""
         return len(hashes) == num_tokens // self.hash_block_size

@@ -151,7 +151,7 @@ class PoolLookup:
         ``pin(hashes, state_ok)``, when given, is called with the blocks a
         hit could load (and which of them have a boundary state) before
         their entries are verified: what is verified is then pinned."""
-        L, B = self.layout, self.block_size
+        L = self.layout
         hashes = request.block_hashes
         if not L.hashes_match(hashes, request.num_tokens):
             self.log.warning(
@@ -160,8 +160,7 @@ class PoolLookup:
                 "looked up (further mismatches are not logged)", request.request_id,
                 len(hashes), request.num_tokens, L.hash_block_size)
             return 0
-        n = min(L.num_blocks(hashes), max(0, (request.num_tokens - 1) // B))
-        local = num_computed_tokens // B
+        local, n = L.hit_span(hashes, request.num_tokens, num_computed_tokens)
         if n <= local:
             return 0
         self.note_generation()
