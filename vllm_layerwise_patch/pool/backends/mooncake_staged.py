@@ -67,6 +67,11 @@ class StagedObjects:
                 self._stage_dest.setdefault(obj, {})[slot] = (
                     (d.data_ptr(), d.element_size() * d.numel()) if ok else None)
 
+    def _object_bytes(self, obj: str) -> int:
+        """A planned object's size: its slots, header and page each."""
+        lay, n = self._stage[obj]
+        return lay.slot * n
+
     def _fill_staged(self, store: Any) -> None:
         """Read every planned object not read yet (``_plan_lock`` held): up
         to ``STAGE_REGIONS`` batches in flight, each in a region of its own,
@@ -74,13 +79,13 @@ class StagedObjects:
         staging = self._staging
         room = staging.region_size - 64  # (objects start VALUE_OFFSET past a line)
         todo = [o for o in self._stage if o not in self._staged
-                and self._stage[o][0].slot * self._stage[o][1] <= room]  # (others: ranges)
+                and self._object_bytes(o) <= room]  # (others: ranges)
         if not todo:
             return
         regions = [staging.acquire()]
         pending: collections.deque = collections.deque()
         try:
-            total = sum(self._stage[o][0].slot * self._stage[o][1] for o in todo)
+            total = sum(self._object_bytes(o) for o in todo)
             while len(regions) < STAGE_REGIONS and total > room * len(regions):
                 extra = staging.try_acquire()
                 if extra is None:
@@ -91,7 +96,7 @@ class StagedObjects:
             chunks: list[list[str]] = []
             used = share
             for o in todo:
-                size = self._stage[o][0].slot * self._stage[o][1]
+                size = self._object_bytes(o)
                 if used + size > share:
                     chunks.append([])
                     used = 0
@@ -132,10 +137,9 @@ class StagedObjects:
         """(address, code) of each object of ``chunk`` read whole into ``region``."""
         ptrs, sizes, at = [], [], region + VALUE_OFFSET  # (payloads on cache lines)
         for o in chunk:
-            lay, n = self._stage[o]
             ptrs.append(at)
-            sizes.append(lay.slot * n)
-            at += lay.slot * n
+            sizes.append(self._object_bytes(o))
+            at += sizes[-1]
         rcs = store.batch_get_into(chunk, ptrs, sizes)
         self.calls["whole_gets"] += 1
         return [(p, rc if rc != s else 0) for p, s, rc in zip(ptrs, sizes, rcs)]
