@@ -12,8 +12,10 @@ most a staging region each (one master query per batch), and copies each slot's
 payload straight into its layer's page, keeping the slot's header; every
 layer then gets its headers (:meth:`read_direct`) and checks its pages in
 place, as after a zero-copy read.  Up to three batches are read at once,
-each into a region of its own (when free), while the oldest is copied
-into the pages: the holder's copies and ours overlap.
+each into a region of its own (when free) by a thread that copies it into
+the pages as soon as it arrives, whichever batch the holder finishes first
+(it serves them one after another, not in the order asked): the holder's
+copy of one batch and ours of another overlap.
 
 Each slot is served once (its page holds this step's bytes only until the
 step's compute moves on); a later read of it reads again.  The price is
@@ -26,9 +28,9 @@ is read as ranges (``get_into_ranges``).
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import ctypes
+import threading
 from typing import Any
 
 from .base import HEADER_SIZE, VALUE_OFFSET
@@ -49,6 +51,7 @@ class StagedObjects:
         #: or the error code of the failed read
         self._staged: dict[str, dict[int, bytes] | int] = {}
         self._kept = 0  # bytes of whole values kept this step
+        self._kept_lock = threading.Lock()
         self._stage_pool: cf.ThreadPoolExecutor | None = None
 
     def _plan_staged(self, tasks: dict[str, list]) -> None:
@@ -67,6 +70,12 @@ class StagedObjects:
                 self._stage_dest.setdefault(obj, {})[slot] = (
                     (d.data_ptr(), d.element_size() * d.numel()) if ok else None)
 
+    def _stage_threads(self) -> cf.ThreadPoolExecutor:
+        if self._stage_pool is None:
+            self._stage_pool = cf.ThreadPoolExecutor(STAGE_REGIONS,
+                                                     thread_name_prefix="vlp-mc-stage")
+        return self._stage_pool
+
     def _object_bytes(self, obj: str) -> int:
         """A planned object's size: its slots, header and page each."""
         lay, n = self._stage[obj]
@@ -74,8 +83,9 @@ class StagedObjects:
 
     def _fill_staged(self, store: Any) -> None:
         """Read every planned object not read yet (``_plan_lock`` held): up
-        to ``STAGE_REGIONS`` batches in flight, each in a region of its own,
-        while the oldest is copied out."""
+        to ``STAGE_REGIONS`` batches in flight, each in a region of its own
+        and copied out by the thread that read it, the next batch taking the
+        region of whichever finished first."""
         staging = self._staging
         room = staging.region_size - 64  # (objects start VALUE_OFFSET past a line)
         todo = [o for o in self._stage if o not in self._staged
@@ -83,7 +93,7 @@ class StagedObjects:
         if not todo:
             return
         regions = [staging.acquire()]
-        pending: collections.deque = collections.deque()
+        running: dict[cf.Future, int] = {}
         try:
             total = sum(self._object_bytes(o) for o in todo)
             while len(regions) < STAGE_REGIONS and total > room * len(regions):
@@ -102,36 +112,36 @@ class StagedObjects:
                     used = 0
                 chunks[-1].append(o)
                 used += size
-            if self._stage_pool is None:
-                self._stage_pool = cf.ThreadPoolExecutor(STAGE_REGIONS,
-                                                         thread_name_prefix="vlp-mc-stage")
-            left, free = iter(chunks), list(regions)
-
-            def submit() -> None:
+            pool, left = self._stage_threads(), iter(chunks)
+            for r in regions:
                 chunk = next(left, None)
                 if chunk is not None:
-                    r = free.pop()
-                    pending.append((chunk, r, self._stage_pool.submit(
-                        self._get_chunk, store, chunk, r)))
-
-            for _ in regions:
-                submit()
-            while pending:
-                chunk, r, fut = pending[0]
-                got = fut.result()
-                pending.popleft()
-                self._check([rc for _, rc in got], "get")
-                self._copy_out(chunk, got)
-                free.append(r)
-                submit()
+                    running[pool.submit(self._read_chunk, store, chunk, r)] = r
+                    self.calls["whole_gets"] += 1
+            while running:  # (in the order they finish: the holder's are not FIFO)
+                done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                for fut in done:
+                    r = running.pop(fut)
+                    fut.result()
+                    chunk = next(left, None)
+                    if chunk is not None:
+                        running[pool.submit(self._read_chunk, store, chunk, r)] = r
+                        self.calls["whole_gets"] += 1
         finally:
-            for _, _, fut in pending:  # (never release a region still being written)
+            for fut in running:  # (never release a region still being written)
                 try:
                     fut.result()
                 except Exception:  # noqa: BLE001
                     pass
             for r in regions:
                 staging.release(r)
+
+    def _read_chunk(self, store: Any, chunk: list[str], region: int) -> None:
+        """Read ``chunk`` into ``region`` and copy it out (a stage thread:
+        its copy overlaps the holder's copy of the next chunk)."""
+        got = self._get_chunk(store, chunk, region)
+        self._check([rc for _, rc in got], "get")
+        self._copy_out(chunk, got)
 
     def _get_chunk(self, store: Any, chunk: list[str], region: int) -> list[tuple[int, int]]:
         """(address, code) of each object of ``chunk`` read whole into ``region``."""
@@ -141,7 +151,6 @@ class StagedObjects:
             sizes.append(self._object_bytes(o))
             at += sizes[-1]
         rcs = store.batch_get_into(chunk, ptrs, sizes)
-        self.calls["whole_gets"] += 1
         return [(p, rc if rc != s else 0) for p, s, rc in zip(ptrs, sizes, rcs)]
 
     def _copy_out(self, chunk: list[str], got: list[tuple[int, int]]) -> None:
@@ -158,8 +167,10 @@ class StagedObjects:
             for slot, dest in self._stage_dest[o].items():
                 base = ptr + slot * lay.slot
                 if dest is None:
-                    if self._kept + lay.slot <= self.cfg.local_buffer_size:
-                        self._kept += lay.slot
+                    with self._kept_lock:  # (stage threads copy out at once)
+                        keep = self._kept + lay.slot <= self.cfg.local_buffer_size
+                        self._kept += lay.slot if keep else 0
+                    if keep:
                         kept[slot] = bytes(_value(view(base, lay.slot)))
                 else:
                     ctypes.memmove(dest[0], base + HEADER_SIZE, dest[1])
