@@ -56,6 +56,7 @@ from vllm_layerwise_patch.bench.transfer import memcpy_seconds
 from vllm_layerwise_patch.pool.backends.base import pack
 from vllm_layerwise_patch.pool.keys import ATTN, marker_key, page_key
 from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
+from vllm_layerwise_patch.pool.saving import PackArena
 
 import _results
 
@@ -123,8 +124,10 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str,
     order = list(src)
     if layout == "per-block":
         be.set_layout(NS, _Layout(order, page))
-    values = {(n, b): pack(NS, src[n][b].numpy().tobytes()) for n in order
-              for b in range(blocks)}
+    # packed as the worker's send thread packs them (the pack memory offered
+    # to the backend: Mooncake block objects are put straight from it)
+    arena = PackArena(NS, lambda ptr, size: be.register_memory(ptr, size, saves=True))
+    values = {(n, b): arena.pack(src[n][b]) for n in order for b in range(blocks)}
     pipe = LayerwisePipeline(order, be, NS, prefetch=2, threads=2, check_crc=False)
     pipe.register_memory(dest.values())  # as the worker does with its KV cache
     pairs = [(dest[n], src[n]) for n in order]

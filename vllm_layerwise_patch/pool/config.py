@@ -120,6 +120,12 @@ class MooncakeConfig(BaseModel):
                     "CPU machine, the KV cache is then reachable by the transfer engine's peers like the "
                     "staging buffer, and whether Mooncake can still write into a page after "
                     "reporting its transfer failed is not verified)")
+    zero_copy_saves: bool = Field(
+        default=True,
+        description="register the save path's pack memory with Mooncake and put block "
+                    "objects straight from it, without a copy into the staging buffer "
+                    "(not with `client_address`; the pack memory holds what the staging "
+                    "buffer would: the values being saved)")
     prefer_local_segment: bool = Field(
         default=True,
         description="saves ask Mooncake to place pages in the segment this process holds "

@@ -25,13 +25,22 @@ class PackArena:
     checksum read from that copy in place.  Chunks are allocated once,
     pre-faulted (first touch costs 5-20x a copy) and pinned when CUDA is
     there, and reused every step; values are views, valid until
-    :meth:`reset` (after the step's write)."""
+    :meth:`reset` (after the step's write).
+
+    Each value is followed by zeros up to its next 64 bytes, which belong to
+    it: a backend may store a value with that padding as one slot of a
+    block object (:mod:`.backends.mooncake_objects`).  ``register(ptr,
+    nbytes)``, when given, is called with every chunk (a backend's
+    ``register_memory(..., saves=True)``); a chunk is never freed while the
+    arena lives, so what was registered stays valid."""
 
     CHUNK = 64 << 20
 
-    def __init__(self, namespace: bytes) -> None:
+    def __init__(self, namespace: bytes, register=None) -> None:
         self.ns = namespace
+        self._register = register
         self._chunks: list[torch.Tensor] = []
+        self._retired: list[torch.Tensor] = []  # (registered: kept alive)
         self._chunk = 0
         self._off = 0
 
@@ -39,32 +48,40 @@ class PackArena:
         pin = torch.cuda.is_available()
         t = torch.empty(max(size, self.CHUNK), dtype=torch.uint8, pin_memory=pin)
         t.zero_()  # pre-fault
+        if self._register is not None:
+            self._register(t.data_ptr(), t.numel())
         return t
 
     def _alloc(self, n: int) -> torch.Tensor:
+        """``n`` bytes and their padding to the next 64 (the view is that
+        long; the next value starts past it)."""
+        padded = (n + 63) & ~63
         while True:
             if self._chunk == len(self._chunks):
-                self._chunks.append(self._new_chunk(VALUE_OFFSET + n))
+                self._chunks.append(self._new_chunk(VALUE_OFFSET + padded))
             buf = self._chunks[self._chunk]
             start = self._off + VALUE_OFFSET  # the payload on a cache line
-            if start + n <= buf.numel():
+            if start + padded <= buf.numel():
                 self._off = (start + n + 63) & ~63
-                return buf[start:start + n]
+                return buf[start:start + padded]
             if self._off == 0:  # a value larger than a chunk: give it its own
-                self._chunks[self._chunk] = self._new_chunk(VALUE_OFFSET + n)
+                self._retired.append(self._chunks[self._chunk])
+                self._chunks[self._chunk] = self._new_chunk(VALUE_OFFSET + padded)
                 continue
             self._chunk, self._off = self._chunk + 1, 0
 
     def pack(self, page: torch.Tensor) -> memoryview:
         raw = page.reshape(-1).view(torch.uint8)
-        value = self._alloc(HEADER_SIZE + raw.numel())
+        n = HEADER_SIZE + raw.numel()
+        value = self._alloc(n)
         host = value.numpy()
         if raw.device.type == "cpu":  # a plain memcpy: torch's copy_ costs ~6x here
-            np.copyto(host[HEADER_SIZE:], raw.numpy())
+            np.copyto(host[HEADER_SIZE:n], raw.numpy())
         else:
-            value[HEADER_SIZE:].copy_(raw)
-        host[:HEADER_SIZE] = memoryview(header(self.ns, host[HEADER_SIZE:]))
-        return memoryview(host)
+            value[HEADER_SIZE:n].copy_(raw)
+        host[n:] = 0  # (its padding: another step's bytes may lie there)
+        host[:HEADER_SIZE] = memoryview(header(self.ns, host[HEADER_SIZE:n]))
+        return memoryview(host[:n])
 
     def reset(self) -> None:
         self._chunk, self._off = 0, 0
@@ -104,7 +121,9 @@ class SaveQueue:
         self.ns = namespace
         self._q: queue.Queue = queue.Queue()
         self._items: list[tuple[bytes, memoryview]] = []
-        self._arena = PackArena(namespace)
+        register = getattr(backend, "register_memory", None)
+        self._arena = PackArena(namespace, register and (
+            lambda ptr, size: register(ptr, size, saves=True)))
         self._pending: list[threading.Event] = []
         self._step = 0
         self.events = events

@@ -166,9 +166,12 @@ class Backend(abc.ABC):
         for i, (k, v) in enumerate(zip(keys, self.get_many(keys, sizes))):
             consume(i, k, v)
 
-    def register_memory(self, ptr: int, size: int) -> bool:
+    def register_memory(self, ptr: int, size: int, saves: bool = False) -> bool:
         """Offer host memory (the KV cache) that :meth:`read_direct` may write
-        loaded pages into; False where the backend cannot read into it."""
+        loaded pages into; False where the backend cannot read into it.  With
+        ``saves``: a chunk of the save path's pack memory
+        (:class:`..saving.PackArena`), whose values :meth:`put_many` may
+        store without copying them first; False where it does not."""
         return False
 
     def read_direct(self, keys: list[bytes], ptrs: list[int], lengths: list[int]
@@ -260,8 +263,8 @@ class FaultInjectingBackend(Backend):
         self._check("read_many")
         return self.inner.read_many(keys, consume, sizes)
 
-    def register_memory(self, ptr, size):
-        return self.inner.register_memory(ptr, size)
+    def register_memory(self, ptr, size, saves=False):
+        return self.inner.register_memory(ptr, size, saves)
 
     def read_direct(self, keys, ptrs, lengths):
         self._check("read_direct")

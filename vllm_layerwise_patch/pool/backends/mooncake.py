@@ -11,10 +11,12 @@ memory is registered too (:meth:`register_memory`), and one
 its payload straight into the KV page, checked there before use (a failed
 check fails that load: the request recomputes).  A same-node client can
 register only the holder's shared memory: values are ``batch_get_into`` the
-region, then each is checked and copied into its KV page.  Saves are packed
-into the region and written with ``batch_upsert_from``, into the segment this
-process holds first (``prefer_local_segment``: its own hits are then a local
-copy).  One batch per layer keeps the layerwise overlap.
+region, then each is checked and copied into its KV page.  Saves of block
+objects are put straight from the save path's registered pack memory
+(``zero_copy_saves``, a client of its own) or copied into the region first;
+other keys are packed into the region and written with
+``batch_upsert_from``; both into the segment this process holds first
+(``prefer_local_segment``: its own hits are then a local copy).
 
 Mooncake's semantics, and what the pool does about them:
 
@@ -94,6 +96,7 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
         self.cfg = cfg
         self.on_unavailable = on_unavailable
         self._memory = Registered()  # host memory for zero-copy loads
+        self._save_memory = Registered()  # pack memory saves put from directly
         self.log = LogOnce()
         self.refs = 0
         self.closed = False
@@ -166,27 +169,32 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
                         # bigger than the page it should hold: not ours
                         consume(n, keys[n], b"" if rc == TOO_SMALL else None)
 
-    # -- zero-copy loads ---------------------------------------------------------
-    def _register(self, ptr: int, size: int) -> None:
+    # -- zero-copy loads and saves -----------------------------------------------
+    def _register(self, ptr: int, size: int, memory: Registered) -> None:
         rc = self._store.register_buffer(ptr, size)
         if rc == 0:
-            self._memory.add(ptr, size)
+            memory.add(ptr, size)
         else:
-            self.log.warning("register", "vllm-layerwise-patch pool: Mooncake register_buffer "
-                             "of the KV cache returned %s; loads go through the staging "
-                             "buffer", describe(rc))
+            what = "pack memory" if memory is self._save_memory else "KV cache"
+            self.log.warning(f"register-{what}", "vllm-layerwise-patch pool: Mooncake "
+                             "register_buffer of the %s returned %s; it goes through the "
+                             "staging buffer", what, describe(rc))
 
-    def register_memory(self, ptr: int, size: int) -> bool:
-        """Zero-copy loads into the KV cache (``zero_copy_loads``), on a client
-        of its own only: a same-node client (``client_address``) can register
-        nothing but the holder's shared memory.  Registered memory is open to
-        the transfer engine's peers, as the staging buffer is (no auth)."""
-        if self.cfg.client_address or not self.cfg.zero_copy_loads:
+    def register_memory(self, ptr: int, size: int, saves: bool = False) -> bool:
+        """Zero-copy loads into the KV cache (``zero_copy_loads``), or with
+        ``saves`` puts straight from the save path's pack memory
+        (``zero_copy_saves``), on a client of its own only: a same-node
+        client (``client_address``) can register nothing but the holder's
+        shared memory.  Registered memory is open to the transfer engine's
+        peers, as the staging buffer is (no auth)."""
+        if self.cfg.client_address or not (self.cfg.zero_copy_saves if saves
+                                           else self.cfg.zero_copy_loads):
             return False
+        memory = self._save_memory if saves else self._memory
         with self._conn_lock:  # (a connect in the background registers what is wanted)
-            self._memory.wanted.append((ptr, size))
+            memory.wanted.append((ptr, size))
             if self._store is not None:
-                self._register(ptr, size)
+                self._register(ptr, size, memory)
         return True
 
     def read_direct(self, keys: list[bytes], ptrs: list[int], lengths: list[int]

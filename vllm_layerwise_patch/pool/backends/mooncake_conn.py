@@ -78,8 +78,9 @@ class MooncakeConnection:
         if self._staging is None:
             self._staging = make_staging(store, cfg, self.REGIONS)
         self._store = store
-        for ptr, size in self._memory.wanted:
-            self._register(ptr, size)
+        for memory in (self._memory, self._save_memory):
+            for ptr, size in memory.wanted:
+                self._register(ptr, size, memory)
         if self._segment_wanted:
             self._mount()
 

@@ -25,9 +25,11 @@ backend maps a page key to its object's range and a marker to the object.
   existence is the commit; markers are not stored.  ``put_many`` writes an
   object only when its marker is in the batch (every layer saved) and every
   slot is there; an incomplete block is not written at all.
-* Saves: each packed page (the send thread's copy) is copied into the
-  registered staging buffer (its slot's place; the pack memory is not
-  registered - not done yet) and a step's objects are written by one
+* Saves: each packed page (the send thread's copy, with its padding: a
+  slot) is put straight from the pack memory, registered with
+  ``zero_copy_saves`` on a client of its own; otherwise (a same-node client,
+  or a value not from the pack memory) it is copied into the registered
+  staging buffer first.  A step's objects are written by one
   ``batch_put_from_multi_buffers`` per region-full; a put that fails with a
   transfer error (-800: a holder just restarted) is retried once, then
   counted (``put_skipped``) and the step's save fails (a failed save).  A put of an existing object
@@ -67,6 +69,7 @@ backend maps a page key to its object's range and a marker to the object.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -231,6 +234,12 @@ class BlockObjects(ObjectReads):
                         todo.pop(0)
                         p, s = [], []
                         for v in values:
+                            at = self._in_pack_memory(v, lay.slot)
+                            if at is not None:  # (its padding follows it there)
+                                p.append(at)
+                                s.append(lay.slot)
+                                self.calls["slots_from_pack"] += 1
+                                continue
                             ptr = region + used + VALUE_OFFSET
                             staging.view(ptr, len(v))[:] = v
                             p.append(ptr)
@@ -260,6 +269,17 @@ class BlockObjects(ObjectReads):
                         raise BackendError(f"Mooncake put of {obj!r}: {describe(rc)}"
                                            + (" (retried once)" if attempt else ""))
                 todo, retry = retry, []
+
+    def _in_pack_memory(self, value: Any, slot: int) -> int | None:
+        """The address of a value packed in registered pack memory, whose
+        padding fills its slot (:class:`...saving.PackArena`), else None."""
+        if not isinstance(value, memoryview) or (len(value) + 63) & ~63 != slot:
+            return None
+        try:
+            at = ctypes.addressof(ctypes.c_char.from_buffer(value))
+        except (TypeError, ValueError):  # (read-only)
+            return None
+        return at if self._save_memory.covers([at], [slot]) else None
 
     def _put_batch(self, store: Any, names: list[str], ptrs: list, sizes: list, config: Any
                    ) -> list[int]:
