@@ -321,3 +321,34 @@ def test_a_damaged_slot_fails_its_load_and_the_others_load(cluster, own, shm):
     assert be.calls["whole_gets" if own or shm else "get_sessions"] == 1
     pipe.close()
     be.close()
+
+
+@pytest.mark.parametrize("own, shm", [(False, False), (True, False), (False, True)])
+def test_an_object_gone_before_its_load_fails_only_its_pages(cluster, own, shm):
+    # one of a step's two block objects is gone between the lookup and the
+    # load (evicted, say): every layer's page of that block fails (zeroed,
+    # the request recomputes), the other block loads - by ranges, by a
+    # whole read straight into the pages, or through the staging buffer
+    extra = {"global_segment_size": "16MiB"} if own else {}
+    if shm:
+        extra["client_address"] = cluster.holder_address
+    be = backend(cluster.master_address, zero_copy_loads=True, **extra)
+    if own:
+        be.mount_segment()
+    hashes = [bytes([0x70 + own + 2 * shm + 4 * j]) * 32 for j in range(2)]
+    for h in hashes:
+        be.put_many(block(h))
+    be.delete([page_key(NS, ATTN, hashes[1], 0, "0")])  # (the whole object)
+    kv = torch.full((6, 2, PAGE), 0xEE, dtype=torch.uint8)
+    pipe = LayerwisePipeline(LAYERS, be, NS, prefetch=2, threads=2)
+    assert pipe.register_memory([kv]) is not shm
+    pipe.start({LAYERS[i]: [(page_key(NS, ATTN, h, 0, str(i)), [kv[i, j]])
+                            for j, h in enumerate(hashes)] for i in range(6)},
+               tolerate_errors=True)
+    for layer in LAYERS:
+        pipe.wait(layer)
+    assert sorted(f[:2] for f in pipe.failures) == [(layer, 1) for layer in LAYERS]
+    assert all(bool((kv[i, 0] == i + 1).all()) and bool((kv[i, 1] == 0).all())
+               for i in range(6))
+    pipe.close()
+    be.close()

@@ -28,7 +28,7 @@ def test_a_saved_object_is_the_same_whether_put_from_the_pack_memory_or_staged(
     saver = SaveQueue(be, NS)
     saver.reserve()
     saver._arena._chunks[0].fill_(0xFF)  # (what an earlier step may leave in the padding)
-    h = bytes([0x60 + 2 * zero_copy + shm]) * 32
+    h = bytes([0xA0 + 2 * zero_copy + shm]) * 32
     gen = torch.Generator().manual_seed(len(h) + h[0])
     pages = {(kind, name): torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=gen)
              for kind, names in ((ATTN, LAYERS), (STATE, STATES)) for name in names}

@@ -203,6 +203,10 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
         (one ``batch_get_into_multi_buffers`` call per region-full)."""
         if keys and self.cfg.client_address and self._stage:  # (mooncake_staged)
             return self._direct_staged(self._ready(), keys, ptrs, lengths)
+        if keys and self._plan_keys:  # (mooncake_whole: a step planned whole)
+            got = self._direct_planned(self._ready(), keys, ptrs)
+            if got is not None:
+                return got
         if not keys or not self._memory.covers(ptrs, lengths):
             return None
         store = self._ready()

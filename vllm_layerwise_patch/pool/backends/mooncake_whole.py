@@ -38,6 +38,7 @@ class WholeObjects(StagedObjects):
     def _init_whole(self) -> None:
         self._plan: dict[str, dict[int, tuple[int, int]]] = {}  # object -> slot -> (ptr, len)
         self._plan_slots: dict[str, tuple[Any, int]] = {}  # object -> (layout, slots)
+        self._plan_keys: dict[bytes, tuple[str, int, int]] = {}  # key -> (object, slot, ptr)
         self._heads: dict[str, int | None] = {}  # fetched object -> its header area
         self._plan_lock = threading.Lock()
         self._head_buf: Any = None
@@ -57,7 +58,7 @@ class WholeObjects(StagedObjects):
         """A step's loads (layer -> [(key, [page tensor])]): whole objects
         where this process holds a segment and reads into registered pages."""
         with self._plan_lock:
-            self._plan, self._plan_slots, self._heads = {}, {}, {}
+            self._plan, self._plan_slots, self._heads, self._plan_keys = {}, {}, {}, {}
             if self.cfg.client_address:  # (mooncake_staged)
                 self._plan_staged(tasks if self._layouts else {})
                 return
@@ -69,12 +70,13 @@ class WholeObjects(StagedObjects):
                     where = self._locate(key)
                     if where is None or len(dests) != 1 or dests[0].device.type != "cpu":
                         continue
-                    found.append((where, dests[0].data_ptr(), dests[0].numel()))
-            every = self._memory.covers([p for _, p, _ in found], [n for _, _, n in found])
-            for (lay, obj, slot, n), ptr, size in found:
+                    found.append((key, where, dests[0].data_ptr(), dests[0].numel()))
+            every = self._memory.covers([f[2] for f in found], [f[3] for f in found])
+            for key, (lay, obj, slot, n), ptr, size in found:
                 if every or self._memory.covers([ptr], [size]):
                     self._plan.setdefault(obj, {})[slot] = (ptr, size)
                     self._plan_slots[obj] = (lay, n)
+                    self._plan_keys[key] = (obj, slot, ptr)
 
     def _whole(self, store: Any, objs: list[str]) -> None:
         """Read ``objs`` whole into their planned pages (``_plan_lock`` held)."""
@@ -115,6 +117,29 @@ class WholeObjects(StagedObjects):
         for o, rc in zip(todo, rcs):
             lay, n = self._plan_slots[o]
             self._heads[o] = heads[o] if rc == n * lay.slot else min(rc, -1)
+
+    def _direct_planned(self, store: Any, keys: list[bytes], ptrs: list[int]
+                        ) -> list[bytes | None] | None:
+        """Headers of a layer whose every key the step planned into these
+        pages (the whole read done by the first such layer), found by key -
+        no parsing, no range checks; None: not such a layer (the caller
+        takes the general path)."""
+        with self._plan_lock:
+            got = [self._plan_keys.get(k) for k in keys]
+            if any(g is None or g[2] != p for g, p in zip(got, ptrs)):
+                return None
+            self._whole(store, list(dict.fromkeys(g[0] for g in got)))
+            heads = [self._heads.get(g[0]) for g in got]
+            if any(h is None for h in heads):
+                return None  # (an object read as ranges)
+            out: list[bytes | None] = []
+            for k, (_, slot, _), head in zip(keys, got, heads):
+                if head < 0:  # the whole read failed: this page's load fails
+                    self._failed(head, k)
+                    out.append(None)
+                else:
+                    out.append(ctypes.string_at(head + slot * HEADER_SIZE, HEADER_SIZE))
+            return out
 
     def _direct_whole(self, store: Any, keys: list[bytes], where: list[tuple],
                       ptrs: list[int], out: list) -> list[int]:
