@@ -47,6 +47,7 @@ class StagedObjects:
     def _init_staged(self) -> None:
         self._stage: dict[str, tuple[Any, int]] = {}  # object -> (layout, slots)
         self._stage_dest: dict[str, dict[int, tuple[int, int] | None]] = {}
+        self._stage_keys: dict[bytes, tuple] = {}  # planned key -> where (_locate)
         #: read objects -> {slot: its header, or its whole value (no page)}
         #: or the error code of the failed read
         self._staged: dict[str, dict[int, bytes] | int] = {}
@@ -57,11 +58,13 @@ class StagedObjects:
     def _plan_staged(self, tasks: dict[str, list]) -> None:
         """Record the step's objects and where each slot's page is."""
         self._stage, self._stage_dest, self._staged, self._kept = {}, {}, {}, 0
+        self._stage_keys = {}
         for items in tasks.values():
             for key, dests in items:
                 where = self._locate(key)
                 if where is None:
                     continue
+                self._stage_keys[key] = where
                 lay, obj, slot, n = where
                 self._stage[obj] = (lay, n)
                 d = dests[0] if len(dests) == 1 else None
@@ -181,7 +184,8 @@ class StagedObjects:
                        lengths: list[int]) -> list[bytes | None] | None:
         """Headers of planned slots whose pages the step's whole reads wrote
         (None: not every key is such a slot; the caller reads them)."""
-        where = [self._locate(k) for k in keys]
+        known = self._stage_keys
+        where = [known.get(k) or self._locate(k) for k in keys]
         with self._plan_lock:
             for w, p, n in zip(where, ptrs, lengths):
                 if w is None or self._stage_dest.get(w[1], {}).get(w[2]) != (p, n):
