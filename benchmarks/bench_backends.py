@@ -10,13 +10,18 @@ run, as ratios to a memcpy of the same bytes measured in the same run:
   and saves go there first (``prefer_local_segment``): its own hits are local
   copies, nothing crosses a socket;
 * ``tcp-socket``: not a backend, the ceiling of anything over TCP loopback:
-  one plain kernel socket streaming the same bytes into the same pages.
+  one plain kernel socket streaming the same bytes into the same pages;
+* ``memcpy-2threads``: not a backend, the ceiling of any load that writes
+  every byte once: two threads copying half the bytes each (memory
+  bandwidth, not one core, sets it).
 
 Loads go through the worker's real path (``LayerwisePipeline``: per-layer
 ``read_many`` batches, header and length checked, copied into KV pages - or,
 where the backend can, read straight into the pages, registered as the worker
 registers its KV cache, and checked there: Mooncake with a client of its own);
-saves are the backend's ``put_many`` of packed pages (one step's worth).
+saves are the backend's ``put_many`` of pages packed as the worker's send
+thread packs them (:class:`~vllm_layerwise_patch.pool.saving.PackArena`,
+its memory offered to the backend; one step's worth).
 ``load_first`` is the first read after the put, ``load`` the next one (a
 prefix is read many times; the reference measured warm reads); ``fetch`` is
 what ../shared/reference/backends.md measured: the backend's per-layer batch reads into its own registered (pre-faulted) buffer, no copy
@@ -232,6 +237,28 @@ def socket_case(page: int, total: int, repeats: int, layers: int) -> dict:
                      layers)
 
 
+def copies_case(page: int, total: int, repeats: int, layers: int) -> dict:
+    """The same bytes copied by two threads at once, half each (numpy's copy
+    releases the GIL): the ceiling of any load that writes every byte once
+    on this machine, whatever its threads - memory bandwidth, not one core."""
+    import concurrent.futures as cf
+
+    blocks = max(1, total // (layers * page))
+    src = torch.randint(0, 256, (layers, blocks * page), dtype=torch.uint8)
+    dest = torch.zeros_like(src)
+    half = layers // 2 if layers > 1 else 1
+    parts = [[(dest[:half], src[:half])], [(dest[half:], src[half:])]]
+    times = []
+    with cf.ThreadPoolExecutor(2) as pool:
+        for _ in range(repeats):
+            dest.zero_()
+            t0 = time.perf_counter()
+            list(pool.map(memcpy_seconds, parts))
+            times.append((time.perf_counter() - t0, memcpy_seconds([(dest, src)])))
+    return summarize("memcpy-2threads", page, blocks, src.numel(), repeats, {"load": times},
+                     layers)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
@@ -239,7 +266,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mib-per-pass", type=int, default=64)
     ap.add_argument("--backends",
-                    default="lmdb,mooncake-tcp,mooncake-shm,mooncake-own,tcp-socket")
+                    default="lmdb,mooncake-tcp,mooncake-shm,mooncake-own,tcp-socket,"
+                            "memcpy-2threads")
     ap.add_argument("--layers", default="8,48")
     ap.add_argument("--pages-kib", default="160,2048", help="per-layer page sizes (KiB)")
     ap.add_argument("--layouts", default="per-layer,per-block",
@@ -265,7 +293,8 @@ def main() -> None:
                                 else ["-"])]
         for layers, page, kind, layout in cases:
             total = args.mib_per_pass << 20
-            r = (socket_case(page, total, args.repeats, layers) if kind == "tcp-socket" else
+            ceiling = {"tcp-socket": socket_case, "memcpy-2threads": copies_case}.get(kind)
+            r = (ceiling(page, total, args.repeats, layers) if ceiling else
                  run_case(kind, cluster, page, total, args.repeats, tmp, layers, layout))
             results.append(r)
             parts = ", ".join(f"{k} {r['ratio_to_memcpy'][k]:.2f}x"
