@@ -291,18 +291,25 @@ def test_a_holder_killed_mid_put_never_yields_a_partial_object(tmp_path):
         lm.stop()
 
 
-@pytest.mark.parametrize("own, shm", [(False, False), (True, False), (False, True)])
-def test_a_damaged_slot_fails_its_load_and_the_others_load(cluster, own, shm):
-    # one layer's value in a block object is damaged (a payload byte flipped
-    # after its checksum was taken): that layer's load fails (its page is
-    # zeroed, the request recomputes), the other layers load - by ranges or
-    # by a whole-object read straight into the pages
+def client(cluster, own: bool, shm: bool):
+    """A reading client: one of its own (zero-copy ranges), one holding a
+    segment (whole reads into the pages) or a same-node one (staging)."""
     extra = {"global_segment_size": "16MiB"} if own else {}
     if shm:
         extra["client_address"] = cluster.holder_address
     be = backend(cluster.master_address, zero_copy_loads=True, **extra)
     if own:
         be.mount_segment()
+    return be
+
+
+@pytest.mark.parametrize("own, shm", [(False, False), (True, False), (False, True)])
+def test_a_damaged_slot_fails_its_load_and_the_others_load(cluster, own, shm):
+    # one layer's value in a block object is damaged (a payload byte flipped
+    # after its checksum was taken): that layer's load fails (its page is
+    # zeroed, the request recomputes), the other layers load - by ranges or
+    # by a whole-object read straight into the pages
+    be = client(cluster, own, shm)
     h = bytes([0x60 + own + 2 * shm]) * 32
     items = block(h)
     bad = bytearray(items[2][1])
@@ -329,12 +336,7 @@ def test_an_object_gone_before_its_load_fails_only_its_pages(cluster, own, shm):
     # load (evicted, say): every layer's page of that block fails (zeroed,
     # the request recomputes), the other block loads - by ranges, by a
     # whole read straight into the pages, or through the staging buffer
-    extra = {"global_segment_size": "16MiB"} if own else {}
-    if shm:
-        extra["client_address"] = cluster.holder_address
-    be = backend(cluster.master_address, zero_copy_loads=True, **extra)
-    if own:
-        be.mount_segment()
+    be = client(cluster, own, shm)
     hashes = [bytes([0x70 + own + 2 * shm + 4 * j]) * 32 for j in range(2)]
     for h in hashes:
         be.put_many(block(h))
