@@ -8,6 +8,8 @@ object is byte for byte the same."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -20,6 +22,18 @@ from vllm_layerwise_patch.pool.saving import SaveQueue
 SLOT = (HEADER_SIZE + PAGE + 63) & ~63
 
 
+def save(saver: SaveQueue, h: bytes) -> dict:
+    """One step's save of block ``h`` (every layer of both kinds, random
+    pages); its pages by (kind, layer)."""
+    gen = torch.Generator().manual_seed(h[0])
+    pages = {(kind, name): torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=gen)
+             for kind, names in ((ATTN, LAYERS), (STATE, STATES)) for name in names}
+    for (kind, name), page in pages.items():
+        saver.submit([(page_key(NS, kind, h, 0, name.split(".")[2]), page)])
+    assert saver.commit([marker_key(NS, ATTN, h, 0), marker_key(NS, STATE, h, 0)], blocks=1)
+    return pages
+
+
 @pytest.mark.parametrize("zero_copy, shm", [(True, False), (False, False), (True, True)])
 def test_a_saved_object_is_the_same_whether_put_from_the_pack_memory_or_staged(
         cluster, zero_copy, shm):
@@ -29,12 +43,7 @@ def test_a_saved_object_is_the_same_whether_put_from_the_pack_memory_or_staged(
     saver.reserve()
     saver._arena._chunks[0].fill_(0xFF)  # (what an earlier step may leave in the padding)
     h = bytes([0xA0 + 2 * zero_copy + shm]) * 32
-    gen = torch.Generator().manual_seed(len(h) + h[0])
-    pages = {(kind, name): torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=gen)
-             for kind, names in ((ATTN, LAYERS), (STATE, STATES)) for name in names}
-    for (kind, name), page in pages.items():
-        saver.submit([(page_key(NS, kind, h, 0, name.split(".")[2]), page)])
-    assert saver.commit([marker_key(NS, ATTN, h, 0), marker_key(NS, STATE, h, 0)], blocks=1)
+    pages = save(saver, h)
     direct = zero_copy and not shm
     assert be.calls["slots_from_pack"] == (len(pages) if direct else 0)
     for kind, names in ((ATTN, LAYERS), (STATE, STATES)):
@@ -46,5 +55,24 @@ def test_a_saved_object_is_the_same_whether_put_from_the_pack_memory_or_staged(
             assert slot[:HEADER_SIZE] == header(NS, page)
             assert slot[HEADER_SIZE:HEADER_SIZE + PAGE] == page
             assert slot[HEADER_SIZE + PAGE:] == bytes(SLOT - HEADER_SIZE - PAGE)  # zeroed
+    saver.close()
+    be.close()
+
+
+def test_pack_memory_is_offered_without_waiting_and_registered_by_the_next_put(cluster):
+    # a connect attempt in the background holds the connection (here the
+    # test holds its lock): the pack memory offered meanwhile (by the
+    # forward thread on CPU) is taken at once, and a put made meanwhile goes
+    # through the staging buffer; the next put registers it and puts from it
+    be = backend(cluster.master_address)
+    saver = SaveQueue(be, NS)
+    with be._conn_lock:
+        offered = threading.Event()
+        threading.Thread(target=lambda: (saver.reserve(), offered.set()), daemon=True).start()
+        assert offered.wait(5), "offering the pack memory waited for the connection"
+        save(saver, b"\xb0" * 32)
+        assert be.calls["slots_from_pack"] == 0
+    pages = save(saver, b"\xb1" * 32)
+    assert be.calls["slots_from_pack"] == len(pages)
     saver.close()
     be.close()

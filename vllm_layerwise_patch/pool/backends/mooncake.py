@@ -97,6 +97,8 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
         self.on_unavailable = on_unavailable
         self._memory = Registered()  # host memory for zero-copy loads
         self._save_memory = Registered()  # pack memory saves put from directly
+        self._offered: list[tuple[int, int]] = []  # pack memory not registered yet
+        self._offered_lock = threading.Lock()
         self.log = LogOnce()
         self.refs = 0
         self.closed = False
@@ -186,16 +188,37 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
         (``zero_copy_saves``), on a client of its own only: a same-node
         client (``client_address``) can register nothing but the holder's
         shared memory.  Registered memory is open to the transfer engine's
-        peers, as the staging buffer is (no auth)."""
+        peers, as the staging buffer is (no auth).  Pack memory is only
+        taken note of here (the packing thread never waits for a connect
+        attempt); the send thread registers it before its next put."""
         if self.cfg.client_address or not (self.cfg.zero_copy_saves if saves
                                            else self.cfg.zero_copy_loads):
             return False
-        memory = self._save_memory if saves else self._memory
+        if saves:  # (offered by whoever packs - the forward thread on CPU: never waits)
+            with self._offered_lock:
+                self._offered.append((ptr, size))
+            return True
         with self._conn_lock:  # (a connect in the background registers what is wanted)
-            memory.wanted.append((ptr, size))
+            self._memory.wanted.append((ptr, size))
             if self._store is not None:
-                self._register(ptr, size, memory)
+                self._register(ptr, size, self._memory)
         return True
+
+    def _register_offered(self) -> None:
+        """Register the pack memory offered since the last put (the send
+        thread, before a put): not while a connect attempt holds the
+        connection - that put goes through the staging buffer."""
+        if not self._offered or not self._conn_lock.acquire(blocking=False):
+            return
+        try:
+            with self._offered_lock:
+                offered, self._offered = self._offered, []
+            for ptr, size in offered:
+                self._save_memory.wanted.append((ptr, size))
+                if self._store is not None:
+                    self._register(ptr, size, self._save_memory)
+        finally:
+            self._conn_lock.release()
 
     def read_direct(self, keys: list[bytes], ptrs: list[int], lengths: list[int]
                     ) -> list[bytes | None] | None:

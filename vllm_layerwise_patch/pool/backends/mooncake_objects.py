@@ -211,6 +211,7 @@ class BlockObjects(ObjectReads):
     def _put_objects(self, store: Any, objs: dict[str, tuple[ObjectLayout, list]]) -> None:
         from mooncake.store import ReplicateConfig
 
+        self._register_offered()
         config = ReplicateConfig()
         config.replica_num = self.cfg.replica_num
         if self._local_segment:
