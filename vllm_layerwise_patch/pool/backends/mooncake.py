@@ -199,10 +199,14 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
                 self._offered.append((ptr, size))
             return True
         with self._conn_lock:  # (a connect in the background registers what is wanted)
-            self._memory.wanted.append((ptr, size))
-            if self._store is not None:
-                self._register(ptr, size, self._memory)
+            self._want(ptr, size, self._memory)
         return True
+
+    def _want(self, ptr: int, size: int, memory: Registered) -> None:
+        """Register now if connected, and on every connect (``_conn_lock`` held)."""
+        memory.wanted.append((ptr, size))
+        if self._store is not None:
+            self._register(ptr, size, memory)
 
     def _register_offered(self) -> None:
         """Register the pack memory offered since the last put (the send
@@ -214,9 +218,7 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
             with self._offered_lock:
                 offered, self._offered = self._offered, []
             for ptr, size in offered:
-                self._save_memory.wanted.append((ptr, size))
-                if self._store is not None:
-                    self._register(ptr, size, self._save_memory)
+                self._want(ptr, size, self._save_memory)
         finally:
             self._conn_lock.release()
 

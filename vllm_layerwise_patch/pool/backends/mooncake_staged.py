@@ -116,20 +116,21 @@ class StagedObjects:
                 chunks[-1].append(o)
                 used += size
             pool, left = self._stage_threads(), iter(chunks)
-            for r in regions:
+
+            def submit(region: int) -> None:  # the next chunk, if any, into ``region``
                 chunk = next(left, None)
                 if chunk is not None:
-                    running[pool.submit(self._read_chunk, store, chunk, r)] = r
+                    running[pool.submit(self._read_chunk, store, chunk, region)] = region
                     self.calls["whole_gets"] += 1
+
+            for r in regions:
+                submit(r)
             while running:  # (in the order they finish: the holder's are not FIFO)
                 done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
                 for fut in done:
                     r = running.pop(fut)
                     fut.result()
-                    chunk = next(left, None)
-                    if chunk is not None:
-                        running[pool.submit(self._read_chunk, store, chunk, r)] = r
-                        self.calls["whole_gets"] += 1
+                    submit(r)
         finally:
             for fut in running:  # (never release a region still being written)
                 try:

@@ -124,22 +124,14 @@ class WholeObjects(StagedObjects):
         pages (the whole read done by the first such layer), found by key -
         no parsing, no range checks; None: not such a layer (the caller
         takes the general path)."""
-        with self._plan_lock:
-            got = [self._plan_keys.get(k) for k in keys]
-            if any(g is None or g[2] != p for g, p in zip(got, ptrs)):
-                return None
-            self._whole(store, list(dict.fromkeys(g[0] for g in got)))
-            heads = [self._heads.get(g[0]) for g in got]
-            if any(h is None for h in heads):
-                return None  # (an object read as ranges)
-            out: list[bytes | None] = []
-            for k, (_, slot, _), head in zip(keys, got, heads):
-                if head < 0:  # the whole read failed: this page's load fails
-                    self._failed(head, k)
-                    out.append(None)
-                else:
-                    out.append(ctypes.string_at(head + slot * HEADER_SIZE, HEADER_SIZE))
-            return out
+        got = [self._plan_keys.get(k) for k in keys]
+        if any(g is None or g[2] != p for g, p in zip(got, ptrs)):
+            return None
+        out: list[bytes | None] = [None] * len(keys)
+        where = [(None, obj, slot, None) for obj, slot, _ in got]
+        if self._direct_whole(store, keys, where, ptrs, out):
+            return None  # (an object read as ranges)
+        return out
 
     def _direct_whole(self, store: Any, keys: list[bytes], where: list[tuple],
                       ptrs: list[int], out: list) -> list[int]:
