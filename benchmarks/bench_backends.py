@@ -20,7 +20,7 @@ Loads go through the worker's real path (``LayerwisePipeline``: per-layer
 where the backend can, read straight into the pages, registered as the worker
 registers its KV cache, and checked there: Mooncake with a client of its own);
 saves are the backend's ``put_many`` of pages packed as the worker's send
-thread packs them (:class:`~vllm_layerwise_patch.pool.saving.PackArena`,
+thread packs them (:class:`~vllm_layerwise_patch.pool.worker.send_thread.PackArena`,
 its memory offered to the backend; one step's worth).
 ``load_first`` is the first read after the put, ``load`` the next one (a
 prefix is read many times; the reference measured warm reads); ``fetch`` is
@@ -36,7 +36,7 @@ loopback master and holder are started and stopped by the benchmark
 
 Mooncake runs in both key layouts, side by side: ``per-layer`` (key format
 4: an object per page and a commit marker per block) and ``per-block``
-(format 5, :mod:`vllm_layerwise_patch.pool.backends.mooncake_objects`: one
+(format 5, :mod:`vllm_layerwise_patch.pool.backends.mooncake.objects`: one
 object per block, layers as byte ranges).  Keys are the pool's own (pages
 and markers of attention blocks).  ``master_rpcs`` counts the requests the
 master served (its metrics, every ``*_requests_total``) for one hit - the
@@ -60,8 +60,8 @@ import torch
 from vllm_layerwise_patch.bench.transfer import memcpy_seconds
 from vllm_layerwise_patch.pool.backends.base import pack
 from vllm_layerwise_patch.pool.keys import ATTN, marker_key, page_key
-from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
-from vllm_layerwise_patch.pool.saving import PackArena
+from vllm_layerwise_patch.pool.worker.pipeline import LayerwisePipeline
+from vllm_layerwise_patch.pool.worker.send_thread import PackArena
 
 import _results
 
@@ -96,10 +96,10 @@ def _open(kind: str, cluster, tmp: str, capacity: int, staging: int = 128 << 20)
     from vllm_layerwise_patch.pool.config import PoolConfig
 
     if kind == "lmdb":
-        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 
         return LmdbBackend(os.path.join(tmp, "lmdb"), capacity, pin_seconds=0)
-    from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
+    from vllm_layerwise_patch.pool.backends.mooncake.backend import MooncakeBackend
 
     mc = {"master_address": cluster.master_address, "local_buffer_size": staging,
           "global_segment_size": 0, "zero_copy_loads": True,  # the opt-in fast path

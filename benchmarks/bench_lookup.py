@@ -21,11 +21,11 @@ import types
 import _results
 
 from vllm_layerwise_patch.pool.backends.base import pack
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfig
 from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
 from vllm_layerwise_patch.pool.layout import PoolLayout
-from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 
 NS = b"L" * 16
 BLOCKS, PAGE, BLOCK = 16, 160 << 10, 640

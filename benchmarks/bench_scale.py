@@ -38,11 +38,11 @@ import types
 import _results
 
 from vllm_layerwise_patch.pool.backends.base import pack
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfig
 from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
 from vllm_layerwise_patch.pool.layout import PoolLayout
-from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 
 NS = b"S" * 16
 BLOCK, HIT = 640, 16
@@ -242,7 +242,7 @@ def medium_curve(disk_dir: str, seconds: float) -> list[dict]:
 # -- hit cache --------------------------------------------------------------------------
 def hit_cache_memory() -> dict:
     from vllm_layerwise_patch.pool.backends.generation import Generation
-    from vllm_layerwise_patch.pool.hit_cache import HitCache
+    from vllm_layerwise_patch.pool.scheduler.hit_cache import HitCache
 
     size = PoolConfig.from_extra({}).hit_cache_size
     tracemalloc.start()

@@ -102,7 +102,7 @@ def test_carry_holds_what_the_run_needs(tmp_path):
     manifest = json.loads((out / "MANIFEST.json").read_text())
     files = manifest["files"]
     assert "gpu/run_carried.sh" in files and "gpu/check_gdn_restore.py" in files
-    assert "pkg/vllm_layerwise_patch/pool/pipeline.py" in files
+    assert "pkg/vllm_layerwise_patch/pool/worker/pipeline.py" in files
     archives = [f for f in files if f.startswith("vllm-src/")]
     assert len(archives) == 1 and archives[0].endswith(".tar.xz")
     assert (out / "gdn-src").read_text().strip() == Path(archives[0]).name[:-len(".tar.xz")]

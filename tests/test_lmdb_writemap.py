@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-from vllm_layerwise_patch.pool.backends import lmdb_files
+from vllm_layerwise_patch.pool.backends.lmdb import files as lmdb_files
 from vllm_layerwise_patch.pool.backends.base import PoolFull
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 
 MiB = 1 << 20
 
@@ -36,7 +36,7 @@ def _child(code: str) -> subprocess.CompletedProcess:
 
 _WRITER = """
     import os, sys, time
-    from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+    from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
     be = LmdbBackend({path!r}, 16 << 20)
     assert be.writemap
     print("opened", flush=True)
@@ -50,8 +50,8 @@ _WRITER = """
 
 _SMALLER = """
     import os
-    from vllm_layerwise_patch.pool.backends import lmdb_files
-    from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+    from vllm_layerwise_patch.pool.backends.lmdb import files as lmdb_files
+    from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
     if {legacy}:  # negative control: open with the configured capacity only
         lmdb_files.file_size = lambda path: 0
     be = LmdbBackend({path!r}, 4 << 20)
@@ -98,7 +98,7 @@ def test_a_grown_file_the_filesystem_cannot_back_stops_saves_not_the_engine(
     be = LmdbBackend(path, 4 * MiB)
     be.put_many([(b"a/p", b"a" * 100_000)])
     big = _child(f"""
-        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
         be = LmdbBackend({path!r}, 32 << 20, preallocate=False)
         for i in range(8):
             be.put_many([(b"b%d/p" % i, b"b" * (1 << 20))])

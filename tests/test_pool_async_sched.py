@@ -25,7 +25,7 @@ import shutil
 import lmdb
 import pytest
 
-from vllm_layerwise_patch.pool.backends.lmdb_files import DATABASES
+from vllm_layerwise_patch.pool.backends.lmdb.files import DATABASES
 from vllm_layerwise_patch.testing.engines import engine_env, run_engine, served, toks
 
 pytestmark = pytest.mark.vllm
@@ -131,7 +131,7 @@ def test_negative_control_the_old_rule_keeps_poisoned_pages(tiny_model_dir, work
 
 EVICT = """
 import sys
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 be = LmdbBackend(sys.argv[1], 64 << 20)
 print("freed", be._evict(1 << 40))
 """

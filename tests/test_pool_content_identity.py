@@ -33,9 +33,9 @@ import types
 import pytest
 import torch
 
-from vllm_layerwise_patch.pool import digests, weights
+from vllm_layerwise_patch.pool.identity import digests, weights
 from vllm_layerwise_patch.pool.backends.base import pack
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfig
 
 NS = b"N" * 16
@@ -203,7 +203,7 @@ class _Spec:
 
 
 def _namespace(hf_config, kv_cache_layout="LBNHC"):
-    from vllm_layerwise_patch.pool.identity import namespace_description, namespace_of
+    from vllm_layerwise_patch.pool.identity.namespace import namespace_description, namespace_of
     from vllm_layerwise_patch.pool.layout import PoolLayout
 
     layout = PoolLayout(kinds=("attn",), group_layers=(("model.layers.3.attn",),),
@@ -221,7 +221,7 @@ def _namespace(hf_config, kv_cache_layout="LBNHC"):
 def test_a_transformers_upgrade_keeps_the_namespace(tiny_model_dir, monkeypatch):
     import transformers.configuration_utils as cu
 
-    from vllm_layerwise_patch.pool.identity import hf_config_identity
+    from vllm_layerwise_patch.pool.identity.namespace import hf_config_identity
 
     cfg = _hf_config(tiny_model_dir)
     before, ns = hf_config_identity(cfg), _namespace(cfg)
@@ -237,7 +237,7 @@ def test_a_transformers_upgrade_keeps_the_namespace(tiny_model_dir, monkeypatch)
 
 
 def test_page_neutral_fields_are_dropped_only_at_config_level():
-    from vllm_layerwise_patch.pool.identity import _page_relevant
+    from vllm_layerwise_patch.pool.identity.namespace import _page_relevant
 
     cfg = {"model_type": "x", "transformers_version": "4.0", "use_cache": True,
            "torch_dtype": "bfloat16", "top_k": 50,
@@ -259,10 +259,10 @@ def _adapter(path):
 def _connector(tmp_path, plain_keys=False):
     """The connector's scheduler side (its own methods) on a real LMDB pool:
     one attention and one state group, block 4 tokens."""
-    from vllm_layerwise_patch.pool.adapters import AdapterKeys
+    from vllm_layerwise_patch.pool.identity.adapters import AdapterKeys
     from vllm_layerwise_patch.pool.connector import LayerwisePoolConnector
     from vllm_layerwise_patch.pool.layout import PoolLayout
-    from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+    from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 
     layout = PoolLayout(kinds=("attn", "state"),
                         group_layers=(("model.layers.0.x",), ("model.layers.1.x",)),
@@ -316,7 +316,7 @@ HASHES = [bytes([i]) * 32 for i in range(5)]
 
 
 def test_an_adapter_changed_in_place_no_longer_hits(tmp_path):
-    from vllm_layerwise_patch.pool.adapters import adapter_digest, mix
+    from vllm_layerwise_patch.pool.identity.adapters import adapter_digest, mix
 
     adapter = _adapter(tmp_path / "adapter")
     conn = _connector(tmp_path)
@@ -359,7 +359,7 @@ def test_an_adapter_without_files_here_does_not_use_the_pool(tmp_path, caplog):
 
 
 def test_adapter_hashes_follow_the_growing_request():
-    from vllm_layerwise_patch.pool.adapters import AdapterRequest, mix
+    from vllm_layerwise_patch.pool.identity.adapters import AdapterRequest, mix
 
     req = _request("r", HASHES[:2])
     view = AdapterRequest(req, b"d" * 16)

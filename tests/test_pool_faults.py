@@ -141,7 +141,7 @@ def test_a_reader_killed_inside_a_transaction_does_not_stop_eviction(tiny_model_
         env=engine_env(), cwd=str(work), timeout=600)
     code = textwrap.dedent(f"""
         import time
-        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
         be = LmdbBackend({pool["path"]!r}, 5 << 20)
         keys = [k for k in be.env.begin(db=be.data).cursor().iternext(values=False)]
         def hold(i, k, v):

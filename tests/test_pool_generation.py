@@ -18,7 +18,7 @@ import types
 import pytest
 
 from vllm_layerwise_patch.pool.backends.base import pack
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfig
 from vllm_layerwise_patch.pool.faults import FAULTS_ENV
 from vllm_layerwise_patch.pool.keys import ATTN, STATE, group_key, marker_key, page_key
@@ -32,7 +32,7 @@ def _scheduler(path):
     """Block 4 tokens, one attention and one state layer; BLOCKS blocks
     committed.  Returns the scheduler and a request covering them."""
     from vllm_layerwise_patch.pool.layout import PoolLayout
-    from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+    from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 
     layout = PoolLayout(kinds=(ATTN, STATE), block_size=4, hash_block_size=4,
                         group_layers=(("model.layers.0.x",), ("model.layers.1.x",)))
@@ -62,7 +62,7 @@ WRITER = """
 import sys
 sys.path[:0] = {syspath!r}
 from vllm_layerwise_patch.pool.backends.base import pack
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 be = LmdbBackend({path!r}, {capacity})
 print("ready", flush=True)
 sys.stdin.readline()
@@ -148,7 +148,7 @@ def test_pools_of_builds_with_another_value_header_are_other_namespaces():
     # each dropped the other's groups as damaged.  The header's version is
     # now part of the format every namespace covers.
     from vllm_layerwise_patch.pool.backends.base import VERSION
-    from vllm_layerwise_patch.pool.identity import namespace_description
+    from vllm_layerwise_patch.pool.identity.namespace import namespace_description
     from vllm_layerwise_patch.pool.keys import FORMAT
     from vllm_layerwise_patch.pool.layout import PoolLayout
 

@@ -158,7 +158,7 @@ def _small_tensor_outside_samples(ckpt):
     """The smallest tensor of layer 0 (the first GDN layer: every page after
     it depends on it) that no sample of the sampled rule reads: (name, first
     byte, end)."""
-    from vllm_layerwise_patch.pool.weights import sampled_ranges
+    from vllm_layerwise_patch.pool.identity.weights import sampled_ranges
 
     header, ranges = sampled_ranges(str(ckpt))
     start = 8 + len(header)
@@ -188,7 +188,7 @@ def edited(tmp_path_factory):
 
 
 def test_one_small_tensor_changed_in_place_never_hits(edited, work, tmp_path):
-    from vllm_layerwise_patch.pool.weights import weights_identity
+    from vllm_layerwise_patch.pool.identity.weights import weights_identity
 
     model, ckpt = edited, edited / "model.safetensors"
     size, config = ckpt.stat().st_size, (edited / "config.json").read_text()

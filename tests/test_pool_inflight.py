@@ -1,5 +1,5 @@
 """Asynchronous loads shared between the requests of one prefix
-(pool/inflight.py), through the scheduler side with a real LMDB pool: a
+(pool/scheduler/inflight.py), through the scheduler side with a real LMDB pool: a
 request whose hit overlaps another's load in flight is asked to wait (None),
 and every way that load can end lets it go - done, failed, aborted,
 preempted - as does its own wait running past ``share_loads_seconds``."""
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfig
 
 NS = b"N" * 16
@@ -19,7 +19,7 @@ BLOCK = 4
 
 def _scheduler(tmp_path, share=10.0, load_async=True):
     from vllm_layerwise_patch.pool.layout import PoolLayout
-    from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+    from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 
     layout = PoolLayout(kinds=("attn", "state"), block_size=BLOCK, hash_block_size=BLOCK,
                         group_layers=(("model.layers.0.x",), ("model.layers.1.x",)))

@@ -39,7 +39,7 @@ def mc_config(master, **kw):
 
 
 def backend(master, **kw):
-    from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
+    from vllm_layerwise_patch.pool.backends.mooncake.backend import MooncakeBackend
 
     cfg = PoolConfig.from_extra(mc_config(master, **kw))
     return MooncakeBackend(cfg.mooncake, on_unavailable=cfg.on_backend_unavailable)
@@ -164,7 +164,7 @@ def test_no_segment_is_pool_full_and_no_marker_is_written(tmp_path):
 
 
 def test_master_down_fails_fast_and_reconnects(tmp_path):
-    from vllm_layerwise_patch.pool.backends.mooncake import BackendUnavailable
+    from vllm_layerwise_patch.pool.backends.mooncake.backend import BackendUnavailable
 
     lm = local(tmp_path)
     try:
@@ -196,7 +196,7 @@ def test_master_down_fails_fast_and_reconnects(tmp_path):
 
 
 def test_master_unreachable_at_startup(tmp_path):
-    from vllm_layerwise_patch.pool.backends.mooncake import BackendUnavailable
+    from vllm_layerwise_patch.pool.backends.mooncake.backend import BackendUnavailable
 
     dead = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -205,7 +205,7 @@ def test_master_unreachable_at_startup(tmp_path):
     with pytest.raises(BackendUnavailable, match=dead):
         be.exists_many([b"x"])
     with pytest.raises(PoolConfigError) as e:
-        from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
+        from vllm_layerwise_patch.pool.backends.mooncake.backend import MooncakeBackend
 
         cfg = PoolConfig.from_extra(dict(mc_config(dead), on_backend_unavailable="fail"))
         MooncakeBackend(cfg.mooncake, on_unavailable="fail")
@@ -252,7 +252,7 @@ def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
 
     import mooncake.store
 
-    from vllm_layerwise_patch.pool.backends.mooncake import BackendUnavailable
+    from vllm_layerwise_patch.pool.backends.mooncake.backend import BackendUnavailable
 
     listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     master = f"127.0.0.1:{listener.getsockname()[1]}"

@@ -12,7 +12,7 @@ import torch
 from vllm_layerwise_patch.mooncake_local import LocalMooncake, free_port
 from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE, pack
 from vllm_layerwise_patch.pool.config import PoolConfig
-from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline, LoadError
+from vllm_layerwise_patch.pool.worker.pipeline import LayerwisePipeline, LoadError
 
 NS = b"N" * 16
 PAGE = 4096
@@ -28,7 +28,7 @@ def cluster(tmp_path_factory):
 
 
 def backend(cluster, shm: bool, **kw):
-    from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
+    from vllm_layerwise_patch.pool.backends.mooncake.backend import MooncakeBackend
 
     mc = {"master_address": cluster.master_address, "global_segment_size": 0,
           "local_buffer_size": "8MiB", "zero_copy_loads": True, **kw}  # opt-in

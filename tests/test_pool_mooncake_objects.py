@@ -1,4 +1,4 @@
-"""Block objects on Mooncake (key format 5, :mod:`..backends.mooncake_objects`)
+"""Block objects on Mooncake (key format 5, :mod:`..backends.mooncake.objects`)
 against a loopback ``mooncake_master`` and segment holder: a block's pages of
 one kind on one rank are one object, its existence the commit; layers are
 read as byte ranges in one get session (one master query per hit), or whole;
@@ -21,7 +21,7 @@ from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE, pack, unpack
 from vllm_layerwise_patch.pool.config import PoolConfig
 from vllm_layerwise_patch.pool.keys import (ATTN, STATE, draft_marker_key, draft_page_key,
                                             marker_key, page_key)
-from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
+from vllm_layerwise_patch.pool.worker.pipeline import LayerwisePipeline
 
 NS = b"O" * 16
 PAGE = 4096
@@ -48,7 +48,7 @@ def cluster(tmp_path_factory):
 
 
 def backend(address, layout=True, **kw):
-    from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
+    from vllm_layerwise_patch.pool.backends.mooncake.backend import MooncakeBackend
 
     mc = {"master_address": address, "global_segment_size": 0,
           "local_buffer_size": "8MiB", **kw}
@@ -201,7 +201,7 @@ def test_a_writer_killed_mid_put_leaves_no_partial_object(cluster):
 
 
 def test_the_hit_cache_holds_until_this_process_writes_or_the_cap(cluster):
-    from vllm_layerwise_patch.pool.hit_cache import HitCache
+    from vllm_layerwise_patch.pool.scheduler.hit_cache import HitCache
 
     now = [0.0]
     be = backend(cluster.master_address, hit_cache_seconds=2)

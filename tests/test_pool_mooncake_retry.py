@@ -1,4 +1,4 @@
-"""Mooncake block objects (:mod:`..backends.mooncake_objects`) against a
+"""Mooncake block objects (:mod:`..backends.mooncake.objects`) against a
 loopback ``mooncake_master`` and segment holder: a same-node client reads a
 step's objects whole, a staging region at a time (never per object and
 layer); a put that fails with a transfer error (-800, by fault injection:
@@ -14,8 +14,8 @@ from test_pool_mooncake_objects import LAYERS, NS, PAGE, backend, block
 from test_pool_mooncake_objects import cluster  # noqa: F401 - the module's own master and holder
 from vllm_layerwise_patch.pool.backends.base import BackendError, unpack
 from vllm_layerwise_patch.pool.keys import ATTN, marker_key, page_key
-from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
-from vllm_layerwise_patch.pool.saving import SaveQueue
+from vllm_layerwise_patch.pool.worker.pipeline import LayerwisePipeline
+from vllm_layerwise_patch.pool.worker.send_thread import SaveQueue
 
 
 def test_a_same_node_step_larger_than_a_region_is_read_whole_in_batches(cluster):

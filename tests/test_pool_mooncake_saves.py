@@ -1,4 +1,4 @@
-"""Saves of Mooncake block objects (:mod:`..backends.mooncake_objects`)
+"""Saves of Mooncake block objects (:mod:`..backends.mooncake.objects`)
 against a loopback ``mooncake_master`` and segment holder: with
 ``zero_copy_saves`` a client of its own puts each slot straight from the
 save path's pack memory (:class:`..saving.PackArena`, registered chunk by
@@ -17,7 +17,7 @@ from test_pool_mooncake_objects import LAYERS, NS, PAGE, STATES, backend
 from test_pool_mooncake_objects import cluster  # noqa: F401 - the module's own master and holder
 from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE, header
 from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
-from vllm_layerwise_patch.pool.saving import SaveQueue
+from vllm_layerwise_patch.pool.worker.send_thread import SaveQueue
 
 SLOT = (HEADER_SIZE + PAGE + 63) & ~63
 

@@ -20,7 +20,7 @@ import types
 import pytest
 
 from vllm_layerwise_patch.pool.backends.base import PoolUnusable
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfig, PoolConfigError
 
 
@@ -83,7 +83,7 @@ def _hybrid_scheduler(tmp_path):
     from vllm_layerwise_patch.pool.backends.base import pack
     from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
     from vllm_layerwise_patch.pool.layout import PoolLayout
-    from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+    from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 
     ns = b"N" * 16
     layout = PoolLayout(kinds=(ATTN, STATE), block_size=4, hash_block_size=4,

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_layerwise_patch.pool import holders
+from vllm_layerwise_patch.pool.directory import holders
 from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE, pack
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.keys import group_key, marker_key, namespace_key, page_key
 from vllm_layerwise_patch.pool_cli import main as pool_main
 
@@ -114,7 +114,7 @@ def test_prometheus_metrics_record_a_payload_per_engine():
 
 
 def test_scheduler_side_counts_once_and_sends_the_fill_when_it_changes(tmp_path):
-    from vllm_layerwise_patch.pool.sched_stats import SchedulerSideStats
+    from vllm_layerwise_patch.pool.scheduler.stats import SchedulerSideStats
 
     write_pool(tmp_path / "pool", blocks=1)
     backend = LmdbBackend(str(tmp_path / "pool"), 8 << 20)
@@ -292,7 +292,7 @@ def test_grafana_dashboard_is_rendered_from_the_metric_list():
 def test_pool_info_on_mooncake_reads_a_namespace_description(tmp_path, capsys):
     pytest.importorskip("mooncake.store")
     from vllm_layerwise_patch.mooncake_local import LocalMooncake, free_port
-    from vllm_layerwise_patch.pool.backends.mooncake import MooncakeBackend
+    from vllm_layerwise_patch.pool.backends.mooncake.backend import MooncakeBackend
     from vllm_layerwise_patch.pool.config import PoolConfig
 
     lm = LocalMooncake(tmp_path / "mc", rpc_port=free_port(), metrics_port=free_port(),

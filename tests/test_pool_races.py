@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_layerwise_patch.pool import pool_dir
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
-from vllm_layerwise_patch.pool.security import POOL_FILES, UnsafePoolPath
+from vllm_layerwise_patch.pool.directory import descriptors
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
+from vllm_layerwise_patch.pool.directory.security import POOL_FILES, UnsafePoolPath
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="a second user acts on the pool: needs root")
@@ -122,14 +122,14 @@ def swap(people, pool: Path, name: str, target: Path) -> None:
 def test_a_file_swapped_for_a_link_before_its_open_is_refused(people, base, monkeypatch, name):
     pool, victim = attacker_pool(people, base), secret(base)
     before = snapshot(victim)
-    opened = pool_dir.PoolDir.open
+    opened = descriptors.PoolDir.open
 
     def racing_open(self, n, *a, **kw):  # the race: right after the checks, before the open
         if n == name:
             swap(people, pool, n, victim)
         return opened(self, n, *a, **kw)
 
-    monkeypatch.setattr(pool_dir.PoolDir, "open", racing_open)
+    monkeypatch.setattr(descriptors.PoolDir, "open", racing_open)
     with pytest.raises(UnsafePoolPath, match=f"{name} in it is a symbolic link"):
         LmdbBackend(str(pool), 16 * MiB, shared_group=people[0])
     assert snapshot(victim) == before
@@ -254,7 +254,7 @@ def test_a_pool_file_with_another_hard_link_is_refused(people, base):
 def test_a_foreign_default_path_falls_back_and_a_configured_one_is_refused(
         people, base, monkeypatch, caplog):
     """The connector's own opening (default path pointed into ``base``)."""
-    from vllm_layerwise_patch.pool import paths
+    from vllm_layerwise_patch.pool.directory import paths
     from vllm_layerwise_patch.pool.config import PoolConfig
     from vllm_layerwise_patch.pool.opening import open_backend
 

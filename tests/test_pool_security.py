@@ -21,7 +21,7 @@ import textwrap
 import pytest
 
 from conftest import clean_env, run_py
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfigError
 from vllm_layerwise_patch.testing.engines import run_engine, toks
 
@@ -48,7 +48,7 @@ def open_in_child(path, umask, **kw):
     code = textwrap.dedent(f"""
         import os
         os.umask({umask})
-        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
         LmdbBackend({path!r}, 16 << 20, **{kw!r}).close()
         """)
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from vllm_layerwise_patch.pool.backends.base import CorruptEntry, PoolFull, pack, unpack
-from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfig, PoolConfigError
 from vllm_layerwise_patch.pool.keys import STATE, page_key
-from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline, LoadError
+from vllm_layerwise_patch.pool.worker.pipeline import LayerwisePipeline, LoadError
 
 NS = b"N" * 16
 
@@ -96,8 +96,8 @@ def test_payloads_are_cache_line_aligned_wherever_the_pool_lays_values_out(tmp_p
     import ctypes
 
     from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE
-    from vllm_layerwise_patch.pool.backends.mooncake_io import Staging
-    from vllm_layerwise_patch.pool.saving import PackArena
+    from vllm_layerwise_patch.pool.backends.mooncake.staging import Staging
+    from vllm_layerwise_patch.pool.worker.send_thread import PackArena
 
     def addr(view) -> int:
         return ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly \
@@ -126,7 +126,7 @@ def test_pack_arena_values_of_any_size_up_to_and_over_a_chunk():
     import signal
 
     from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE
-    from vllm_layerwise_patch.pool.saving import PackArena
+    from vllm_layerwise_patch.pool.worker.send_thread import PackArena
 
     arena = PackArena(b"N" * 16)
     arena.CHUNK = 4096
@@ -207,7 +207,7 @@ def test_lmdb_is_safe_for_several_processes(tmp_path):
     path = str(tmp_path / "p")
     code = textwrap.dedent(f"""
         import sys
-        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
         from vllm_layerwise_patch.pool.backends.base import pack
         be = LmdbBackend({path!r}, 256 << 20)
         w = sys.argv[1]
@@ -232,7 +232,7 @@ def test_lmdb_engines_with_different_capacities_share_one_pool(tmp_path):
     small = LmdbBackend(path, 4 << 20)
     small.put_many(_block(0))
     code = textwrap.dedent(f"""
-        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
         from vllm_layerwise_patch.pool.backends.base import pack
         be = LmdbBackend({path!r}, 32 << 20)
         for i in range(100, 160):
@@ -261,7 +261,7 @@ def test_lmdb_reader_slot_of_a_killed_process_is_cleared(tmp_path):
         be.put_many(_block(i))
     code = textwrap.dedent(f"""
         import time
-        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
         be = LmdbBackend({path!r}, 4 << 20)
         def hold(i, k, v):
             print("reading", flush=True)
@@ -391,7 +391,7 @@ def test_config_defaults_and_sizes():
         with pytest.raises(PoolConfigError, match="kv_connector_extra_config.capacity"):
             PoolConfig.from_extra({"capacity": bad})
     # per-user default path (resolved when the pool opens: .paths)
-    from vllm_layerwise_patch.pool.paths import default_path
+    from vllm_layerwise_patch.pool.directory.paths import default_path
 
     assert PoolConfig.from_extra(None).path is None
     assert default_path().endswith(f"vllm-layerwise-pool-{os.geteuid()}")
@@ -543,7 +543,7 @@ def test_pipeline_tolerant_mode_zeroes_and_lists_failed_items(tmp_path):
 def test_save_queue_commit_leaves_out_excluded_pages(tmp_path):
     # A request whose load failed computed on zeroed pages: its pages are
     # excluded from the step's commit.
-    from vllm_layerwise_patch.pool.saving import SaveQueue
+    from vllm_layerwise_patch.pool.worker.send_thread import SaveQueue
 
     be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
     q = SaveQueue(be, NS)
@@ -560,7 +560,7 @@ def test_save_queue_commit_leaves_out_excluded_pages(tmp_path):
 def _scheduler(tmp_path, *, layers=((0, "attn"), (1, "state")), verify=True, block=4,
                unit=None, role=None, load_async=False):
     from vllm_layerwise_patch.pool.layout import PoolLayout
-    from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+    from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 
     kinds = tuple(k for _, k in layers)
     layout = PoolLayout(kinds=kinds,
@@ -672,7 +672,7 @@ def test_lookup_names_blocks_by_the_hash_at_their_last_unit(tmp_path):
 def _mtp_scheduler(tmp_path, rule="next-token"):
     """Block 4 tokens; attention layer 0, state layer 1, drafter layer mtp.0."""
     from vllm_layerwise_patch.pool.layout import PoolLayout
-    from vllm_layerwise_patch.pool.scheduler import PoolScheduler
+    from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 
     layout = PoolLayout(kinds=("attn", "state"), block_size=4, hash_block_size=4,
                         group_layers=(("model.layers.0.x", "mtp.layers.0.x"),
@@ -744,7 +744,7 @@ def test_a_block_another_process_saves_after_a_cached_miss_hits_next_time(stored
     code = textwrap.dedent(f"""
         import sys
         sys.path[:0] = {sys.path!r}
-        from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+        from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
         from vllm_layerwise_patch.pool.backends.base import pack
         from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
         be = LmdbBackend({sched.hits.backend.path!r}, 64 << 20)
@@ -773,7 +773,7 @@ def test_eight_requests_sharing_a_prefix_read_each_key_once_per_step(tmp_path):
     # into their own pages; each key is read once and fills all 8 pages.
     from vllm_layerwise_patch.pool.layout import PoolLayout
     from vllm_layerwise_patch.pool.metadata import LoadSpec, PoolMetadata
-    from vllm_layerwise_patch.pool.worker import PoolWorker
+    from vllm_layerwise_patch.pool.worker.forward import PoolWorker
 
     layout = PoolLayout(kinds=("attn", "state"), block_size=4, hash_block_size=4,
                         group_layers=(("model.layers.0.x",), ("model.layers.1.x",)))
@@ -870,7 +870,7 @@ def test_save_queue_commits_pages_and_markers_in_one_transaction(tmp_path, devic
     """Host pages (no device, or CPU) are packed in the caller's thread;
     pages on another device by the send thread (``meta`` stands in for a GPU
     here: no event to wait for, the pages themselves are host tensors)."""
-    from vllm_layerwise_patch.pool.saving import SaveQueue
+    from vllm_layerwise_patch.pool.worker.send_thread import SaveQueue
 
     be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
     q = SaveQueue(be, NS)
@@ -898,7 +898,7 @@ def test_save_queue_full_pool_and_failures_are_counted_not_raised(tmp_path):
     import logging
 
     from vllm_layerwise_patch.pool.backends.base import FaultInjectingBackend
-    from vllm_layerwise_patch.pool.saving import SaveQueue
+    from vllm_layerwise_patch.pool.worker.send_thread import SaveQueue
 
     records = []
     handler = logging.Handler()
@@ -1005,7 +1005,7 @@ def test_failed_async_load_is_not_looked_up_again(tmp_path):
 
 
 def test_save_queue_reserve_prefaults_the_pack_memory_the_first_save_uses(tmp_path):
-    from vllm_layerwise_patch.pool.saving import SaveQueue
+    from vllm_layerwise_patch.pool.worker.send_thread import SaveQueue
 
     be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
     q = SaveQueue(be, NS)
@@ -1052,13 +1052,13 @@ def test_a_request_vllm_serves_without_its_cache_is_neither_looked_up_nor_pinned
 
 
 def test_a_failed_load_taints_its_request_and_blocks_until_the_scheduler_saw_it():
-    # The worker's account (worker_taint): the failed request, and any request
+    # The worker's account (worker.quarantine): the failed request, and any request
     # holding a block the failed load wrote, saves nothing - across steps -
     # until the step metadata reports the failure handled; a healthy save of
     # a block a tainted one also saves loses that block (no marker without
     # its pages).  Unit level; the e2e test is test_pool_async_sched.py.
     from vllm_layerwise_patch.pool.metadata import AttnSave, LoadSpec, SaveSpec
-    from vllm_layerwise_patch.pool.worker_taint import Quarantine
+    from vllm_layerwise_patch.pool.worker.quarantine import Quarantine
 
     q = Quarantine()
     load = LoadSpec("a", 0, 2, [b"h0", b"h1"], {0: [5, 6]}, {1: 7}, {})

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_layerwise_patch.pool import digests, weights, weights_preload
+from vllm_layerwise_patch.pool.identity import digests, preload, weights
 from vllm_layerwise_patch.testing.engines import engine_env, run_engine, served, toks
 
 BLOCK = 640
@@ -80,24 +80,24 @@ def _config(model="m", connector="LayerwisePoolConnector", extra=None, load_form
 
 
 def test_only_a_pool_with_the_content_rule_starts_it():
-    assert weights_preload.wanted(_config())
-    assert not weights_preload.wanted(_config(extra={"weights_identity": "sampled"}))
-    assert not weights_preload.wanted(_config(load_format="dummy"))
-    assert not weights_preload.wanted(_config(connector="OffloadingConnector"))
-    assert not weights_preload.wanted(_config(extra={"capacity": "not a size"}))
+    assert preload.wanted(_config())
+    assert not preload.wanted(_config(extra={"weights_identity": "sampled"}))
+    assert not preload.wanted(_config(load_format="dummy"))
+    assert not preload.wanted(_config(connector="OffloadingConnector"))
+    assert not preload.wanted(_config(extra={"capacity": "not a size"}))
     none = _config()
     none.kv_transfer_config = None
-    assert not weights_preload.wanted(none)
+    assert not preload.wanted(none)
     multi = {"connectors": [{"kv_connector": "OffloadingConnector"},
                             {"kv_connector": "LayerwisePoolConnector",
                              "kv_connector_extra_config": {"path": "/x"}}]}
-    assert weights_preload.wanted(_config(connector="MultiConnector", extra=multi))
-    assert not weights_preload.wanted(_config(connector="MultiConnector",
+    assert preload.wanted(_config(connector="MultiConnector", extra=multi))
+    assert not preload.wanted(_config(connector="MultiConnector",
                                               extra={"connectors": multi["connectors"][:1]}))
     vc = _config()
-    assert weights_preload.wanted(vc, vc.model_config)
-    assert weights_preload.wanted(vc, SimpleNamespace(model="m"))  # MTP: same files
-    assert not weights_preload.wanted(vc, SimpleNamespace(model="draft"))  # elsewhere
+    assert preload.wanted(vc, vc.model_config)
+    assert preload.wanted(vc, SimpleNamespace(model="m"))  # MTP: same files
+    assert not preload.wanted(vc, SimpleNamespace(model="draft"))  # elsewhere
 
 
 def test_a_failed_digest_is_logged_once_and_the_connector_digests_again(
@@ -107,7 +107,7 @@ def test_a_failed_digest_is_logged_once_and_the_connector_digests_again(
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(digests, "_memo", {})
-    monkeypatch.setattr(weights_preload, "_said", set())
+    monkeypatch.setattr(preload, "_said", set())
     model = tmp_path / "model"
     model.mkdir()
     save_file({"w": torch.ones(64)}, str(model / "model.safetensors"))
@@ -124,7 +124,7 @@ def test_a_failed_digest_is_logged_once_and_the_connector_digests_again(
     monkeypatch.setattr(weights, "weights_identity", flaky)
     caplog.set_level(logging.INFO, logger="vllm.layerwise_patch")
     for _ in range(2):  # (a second load in the process: logged once)
-        preload = weights_preload.begin(vc)
+        preload = preload.begin(vc)
         assert preload is not None
         preload.loading_ended()
         preload.future.exception(timeout=60)
@@ -141,6 +141,6 @@ def test_a_failed_digest_is_logged_once_and_the_connector_digests_again(
 
     broken = _config()
     broken.kv_transfer_config = Unreadable()
-    assert weights_preload.begin(broken) is None and weights_preload.begin(broken) is None
+    assert preload.begin(broken) is None and preload.begin(broken) is None
     said = [r.getMessage() for r in caplog.records if "could not start" in r.getMessage()]
     assert len(said) == 1 and "unreadable" in said[0]

@@ -120,8 +120,8 @@ def pool_checks(vllm_config: Any) -> list[Check]:
     if ktc is None or getattr(ktc, "kv_connector", None) != POOL_CONNECTOR:
         return []
     from .pool.config import PoolConfig, PoolConfigError
-    from .pool.identity import hash_seed_problem
-    from .pool.security import check_pool_path
+    from .pool.identity.namespace import hash_seed_problem
+    from .pool.directory.security import check_pool_path
 
     out: list[Check] = []
     try:
@@ -135,7 +135,7 @@ def pool_checks(vllm_config: Any) -> list[Check]:
             verdict = check_pool_path(cfg.path, cfg.shared_group)
             out.append(Check("pool-path", verdict.ok, verdict.summary()))
         else:  # the default: held by someone else, engines use a private fallback
-            from .pool.paths import default_path
+            from .pool.directory.paths import default_path
 
             verdict = check_pool_path(default_path(), cfg.shared_group)
             out.append(Check("pool-path", True, verdict.summary() + (

@@ -95,7 +95,7 @@ def _when(t: float | None) -> str:
 
 def _print_info(doc: dict[str, Any]) -> None:
     from .pool.admin import summary
-    from .pool.holders import describe
+    from .pool.directory.holders import describe
 
     used, cap = doc["used_bytes"], doc["capacity_bytes"]
     print(f"pool {doc['path']} (lmdb)")
@@ -125,7 +125,7 @@ def _print_info(doc: dict[str, Any]) -> None:
 
 def _mooncake_info(config, namespace: str | None, as_json: bool) -> int:
     from .pool.admin import describe_namespace, summary
-    from .pool.backends.mooncake import MooncakeBackend
+    from .pool.backends.mooncake.backend import MooncakeBackend
 
     cannot = ("the Mooncake Store client cannot list keys, so entries, blocks, bytes and "
               "access times per namespace are not known here (the master's own metrics "
@@ -173,7 +173,8 @@ def _progress(total: int, enabled: bool):
 
 
 def run(ns: argparse.Namespace) -> int:
-    from .pool import admin, holders
+    from .pool import admin
+    from .pool.directory import holders
     from .pool.config import PoolConfigError
 
     try:
@@ -193,7 +194,7 @@ def run(ns: argparse.Namespace) -> int:
             return 1
     path = config.path
     if path is None:  # the default (a fallback when another user holds it: name it)
-        from .pool.paths import default_path
+        from .pool.directory.paths import default_path
 
         path = default_path()
     if ns.action == "clear":  # before the pool is even opened

@@ -138,10 +138,10 @@ def main() -> int:
 
     if dev.type == "cpu":
         vllm_sources.patch_interpreter_aliases()
-    from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+    from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
     from vllm_layerwise_patch.pool.keys import STATE, marker_key, page_key
-    from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
-    from vllm_layerwise_patch.pool.saving import SaveQueue
+    from vllm_layerwise_patch.pool.worker.pipeline import LayerwisePipeline
+    from vllm_layerwise_patch.pool.worker.send_thread import SaveQueue
 
     dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16
     low = dtype

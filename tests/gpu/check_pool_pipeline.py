@@ -146,11 +146,11 @@ class Model:
 def run_case(dev, a, page_bytes: int, pool_root: str | None, checks) -> dict:
     import torch
 
-    from vllm_layerwise_patch.pool.backends.lmdb import LmdbBackend
+    from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
     from vllm_layerwise_patch.pool.backends.base import unpack
     from vllm_layerwise_patch.pool.config import PoolConfig
-    from vllm_layerwise_patch.pool.pipeline import LayerwisePipeline
-    from vllm_layerwise_patch.pool.saving import SaveQueue
+    from vllm_layerwise_patch.pool.worker.pipeline import LayerwisePipeline
+    from vllm_layerwise_patch.pool.worker.send_thread import SaveQueue
 
     fields = PoolConfig.model_fields
     prefetch = fields["prefetch_layers"].default

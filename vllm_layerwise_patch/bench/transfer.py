@@ -16,9 +16,9 @@ import time
 import numpy as np
 import torch
 
-from ..pool.backends.lmdb import LmdbBackend
-from ..pool.pipeline import LayerwisePipeline
-from ..pool.saving import SaveQueue
+from ..pool.backends.lmdb.backend import LmdbBackend
+from ..pool.worker.pipeline import LayerwisePipeline
+from ..pool.worker.send_thread import SaveQueue
 
 NS = b"B" * 16
 
@@ -105,7 +105,7 @@ def save_parts(layers: int, blocks: int, page: int, repeats: int) -> dict:
     against a memcpy of the same bytes, with LMDB's default mode (the file
     not preallocated) and with ``writemap`` (the pool's default: the file
     preallocated, values copied straight into the mapped file)."""
-    from ..pool.saving import PackArena
+    from ..pool.worker.send_thread import PackArena
 
     pages = [torch.randint(0, 256, (blocks, page), dtype=torch.uint8) for _ in range(layers)]
     dest = [torch.empty_like(p) for p in pages]

@@ -26,7 +26,7 @@ How: before the original runs, when the kv_transfer_config selects the pool
   connector (alone or in a MultiConnector) with weights_identity "content",
   the model loaded is the configured one (not a draft model at another path)
   and load_format is not "dummy", the pool's weights identity is submitted
-  to its digest thread (pool.weights_preload.begin); the load runs
+  to its digest thread (pool.preload.begin); the load runs
   unchanged. The connector's own identity job queues behind it on that
   thread and reads nothing (digests are kept per file version in the
   process; another process finds the digest cache, or waits on the file's
@@ -66,7 +66,7 @@ def _arg(args: tuple, kwargs: dict, pos: int, name: str):
 def _load_model(wrapped, instance, args, kwargs):
     preload = None
     try:
-        from ..pool.weights_preload import begin
+        from ..pool.identity.preload import begin
 
         preload = begin(_arg(args, kwargs, 0, "vllm_config"),
                         _arg(args, kwargs, 1, "model_config"))
@@ -92,7 +92,7 @@ def _self_check() -> str:
     from safetensors.torch import save_file
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    from ..pool import weights, weights_preload
+    from ..pool.identity import preload, weights
 
     class _Stop(Exception):
         pass
@@ -118,13 +118,13 @@ def _self_check() -> str:
             kv_transfer_config=SimpleNamespace(kv_connector=connector,
                                                kv_connector_extra_config={}))
 
-    said = set(weights_preload._said)
+    said = set(preload._said)
     with tempfile.TemporaryDirectory() as where:
         save_file({"w": torch.arange(4096, dtype=torch.float32)}, f"{where}/model.safetensors")
         probe = _Probe(SimpleNamespace(device=None, load_format="auto"))
         before = len(weights.TRACE)
         try:
-            for connector in ("SomeOtherConnector", weights_preload.POOL_CONNECTOR):
+            for connector in ("SomeOtherConnector", preload.POOL_CONNECTOR):
                 vc = config(connector)
                 try:
                     probe.load_model(vllm_config=vc, model_config=vc.model_config)
@@ -136,8 +136,8 @@ def _self_check() -> str:
             expect = weights.weights_identity(where)
             got = weights.submit(vc, "content")[0].result(timeout=60)
         finally:
-            weights_preload._said.clear()
-            weights_preload._said.update(said)  # the real load's line stays once
+            preload._said.clear()
+            preload._said.update(said)  # the real load's line stays once
     assert new[0]["error"] is None, new[0]["error"]
     assert got == expect, "the digest started with loading differs from a direct one"
     return ("a pool load submitted the digest before create_model; same identity as a "

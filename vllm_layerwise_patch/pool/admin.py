@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .backends.base import CorruptEntry, unpack
-from .backends.lmdb import _GROUP, LmdbBackend
-from .fill import lmdb_fill
+from .backends.lmdb.backend import _GROUP, LmdbBackend
+from .backends.lmdb.fill import lmdb_fill
+from .directory.security import check_pool_path
 from .keys import group_of, is_marker
-from .security import check_pool_path
 
 #: entries read per read transaction
 BATCH = 256

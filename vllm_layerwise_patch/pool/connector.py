@@ -25,13 +25,13 @@ try:  # vLLM's per-request load-failure channel (failed_recving), 0.32 on
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None
 
-from .adapters import AdapterKeys
+from .identity.adapters import AdapterKeys
 from .backends.base import NoPool
 from .config import PoolConfig, PoolConfigError
-from .identity import namespace_description, namespace_of
+from .identity.namespace import namespace_description, namespace_of
 from .layout import PoolLayout
 from .opening import open_backend
-from .weights import start as start_weights_identity
+from .identity.weights import start as start_weights_identity
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -127,13 +127,13 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._held = getattr(self.backend, "path", None) if self.pool_config.backend == "lmdb" \
             else None
         if self._held:
-            from . import holders
+            from .directory import holders
 
             holders.register(self._held, "scheduler" if is_scheduler else "worker",
                              str(vllm_config.model_config.model))
         if is_scheduler:
-            from .sched_stats import SchedulerSideStats
-            from .scheduler import PoolScheduler
+            from .scheduler.stats import SchedulerSideStats
+            from .scheduler.planner import PoolScheduler
 
             self._sched = PoolScheduler(vllm_config=vllm_config, layout=self.layout,
                                         backend=self.backend, namespace=self.ns,
@@ -146,7 +146,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
                 self.layout.block_size)
             self._describe_namespace()
         else:
-            from .worker import PoolWorker
+            from .worker.forward import PoolWorker
 
             self._worker = PoolWorker(vllm_config=vllm_config, layout=self.layout,
                                       backend=self.backend, namespace=self.ns,
@@ -193,7 +193,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self):
         """The worker's stats of this step (with per-step samples for the
         Prometheus histograms); on the scheduler side, its hits and the
-        pool's fill (``.sched_stats``)."""
+        pool's fill (``.scheduler.stats``)."""
         if self._worker is not None:
             stats = self._worker.take_stats()
             return stats.sample_step() if stats is not None else None
@@ -260,7 +260,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
         self.backend.close()
         if self._held:
-            from . import holders
+            from .directory import holders
 
             holders.release(self._held)
 

@@ -34,7 +34,7 @@ from typing import Any
 from .backends.base import VERSION as VALUE_VERSION
 
 #: the key layout's version (5: Mooncake keeps a block's pages of one kind on
-#: one rank as one object, :mod:`.backends.mooncake_objects`; entries of 4
+#: one rank as one object, :mod:`.backends.mooncake.objects`; entries of 4
 #: are under other namespaces and never read)
 KEY_VERSION = 5
 #: part of every namespace (:mod:`.identity`): builds that disagree on the

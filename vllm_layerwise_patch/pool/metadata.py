@@ -62,7 +62,7 @@ class PoolMetadata(KVConnectorMetadata):
         self.report_load_errors = report_load_errors
         # requests whose failed loads the scheduler learnt of since the last
         # step: they are out of the running (recompute) or finished, and their
-        # blocks left vLLM's prefix cache (see worker_taint.Quarantine)
+        # blocks left vLLM's prefix cache (see worker.quarantine.Quarantine)
         self.failures_seen = failures_seen or []
 
 

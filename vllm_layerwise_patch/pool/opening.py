@@ -23,7 +23,7 @@ def _open_store(config: PoolConfig, role: str | None):
                 "kv_connector_extra_config.backend: 'mooncake' needs Mooncake Store: pip "
                 "install 'vllm-layerwise-patch[mooncake]' (on CPU machines also Debian's "
                 f"libibverbs1): {exc}") from exc
-        from .backends.mooncake import open_shared as open_mooncake
+        from .backends.mooncake.backend import open_shared as open_mooncake
 
         return open_mooncake(config.mooncake, on_unavailable=config.on_backend_unavailable,
                              segment=role == "worker")
@@ -34,15 +34,15 @@ def _open_store(config: PoolConfig, role: str | None):
             "kv_connector_extra_config.backend: 'lmdb' needs the lmdb package: "
             "pip install 'vllm-layerwise-patch[pool]'") from exc
     from .backends.base import PoolUnusable
-    from .backends.lmdb import open_shared
+    from .backends.lmdb.backend import open_shared
 
     kw = {"pin_seconds": config.pin_seconds, "shared_group": config.shared_group,
           "preallocate": config.preallocate}
     try:
         if config.path is not None:  # configured: used as it is, or refused
             return open_shared(config.path, config.capacity, **kw)
-        from .paths import default_path, private_fallback_path, warn_fallback
-        from .security import UnsafePoolPath
+        from .directory.paths import default_path, private_fallback_path, warn_fallback
+        from .directory.security import UnsafePoolPath
 
         path = default_path()
         try:

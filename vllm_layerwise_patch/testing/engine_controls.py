@@ -12,7 +12,7 @@ def apply(spec: dict[str, Any]) -> None:
 
         PoolLayout.block_hash = lambda self, hashes, i: bytes(hashes[i])
     if spec.get("legacy_namespace"):  # a namespace blind to the weights
-        from vllm_layerwise_patch.pool import weights
+        from vllm_layerwise_patch.pool.identity import weights
 
         weights.weights_identity = lambda *args, **kw: {"resolved": True}
     if spec.get("transformers_version"):  # an upgrade of transformers alone
@@ -20,7 +20,7 @@ def apply(spec: dict[str, Any]) -> None:
 
         transformers.configuration_utils.__version__ = spec["transformers_version"]
     if spec.get("default_pool_path"):  # not this user's real default
-        from vllm_layerwise_patch.pool import paths
+        from vllm_layerwise_patch.pool.directory import paths
 
         paths.default_path = lambda: spec["default_pool_path"]
     if spec.get("weights_trace"):  # when vLLM reads the weights files
@@ -42,7 +42,7 @@ def observe_weight_reading() -> None:
 
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from vllm_layerwise_patch.pool import weights
+    from vllm_layerwise_patch.pool.identity import weights
 
     original = DefaultModelLoader.load_weights
 
@@ -59,7 +59,7 @@ def observe_weight_reading() -> None:
 def report(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
     """``res`` with what the spec asked to see of the child."""
     if spec.get("weights_trace"):
-        from vllm_layerwise_patch.pool import weights
+        from vllm_layerwise_patch.pool.identity import weights
 
         res["weights_trace"] = list(weights.TRACE)
     return res

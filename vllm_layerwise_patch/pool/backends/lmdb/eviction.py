@@ -1,0 +1,100 @@
+"""Eviction for :class:`.lmdb.LmdbBackend` (a mixin): the least recently
+used unpinned groups go, chosen inside the write transactions that delete
+them (access times read there), in chunks; tiny write transactions after
+each let LMDB reuse the freed pages (it does so only after a later commit).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from typing import Any
+
+from ..generation import REMOVALS
+
+logger = logging.getLogger("vllm.layerwise_patch")
+
+_T = struct.Struct(">d")  # big-endian positive doubles sort by value
+_GROUP = struct.Struct(">dQ")  # a group's record: last use, bytes
+_TICK = b"\0vlp-tick"
+
+
+class LmdbEviction:
+    env: Any
+    map_size: int
+    evict_fraction: float
+    evictions: int
+    evicted_groups: int
+    pins: Any
+    groups: Any
+    lru: Any
+    _gen: Any
+
+    def _evict(self, need: int) -> int:
+        """Delete the least recently used unpinned groups to free about
+        ``evict_fraction`` of the pool, in write transactions of at most
+        ``EVICT_CHUNK`` bytes each (victims chosen inside each).  Returns the
+        bytes freed (0: nothing could go).
+
+        Chunks, because a transaction that frees pages must itself write -
+        copies of the B-tree pages it changes and the freed page numbers -
+        and a full map has no page for that: one transaction freeing a tenth
+        of a 2 GiB map failed to commit (MDB_MAP_FULL), and the pool saved
+        nothing again.  A chunk that still finds no room is halved, down to
+        one group."""
+        import lmdb
+
+        self.env.reader_check()  # slots of killed readers would pin old pages
+        target = max(need * 2, int(self.map_size * self.evict_fraction))
+        chunk = self.EVICT_CHUNK
+        freed = dropped = 0
+        while freed < target:
+            try:
+                got, n = self._evict_chunk(min(chunk, target - freed))
+            except lmdb.MapFullError:
+                if chunk <= 1:
+                    break
+                chunk //= 2
+                continue
+            if not n:
+                break
+            freed, dropped = freed + got, dropped + n
+            self._tick()  # freed pages become reusable only after a later commit
+        if not dropped:
+            return 0
+        self._tick()
+        self.evictions += 1
+        self.evicted_groups += dropped
+        logger.info("vllm-layerwise-patch pool: evicted %d blocks (%d bytes)", dropped, freed)
+        return max(freed, 1)
+
+    EVICT_CHUNK = 32 << 20  # bytes freed per eviction transaction, at most
+    EVICT_CHUNK_GROUPS = 4096  # and groups (other engines' writes wait for each chunk)
+
+    def _evict_chunk(self, budget: int) -> tuple[int, int]:
+        """One write transaction dropping the oldest unpinned groups, until
+        ``budget`` bytes or ``EVICT_CHUNK_GROUPS`` groups (at least one
+        group): (bytes freed, groups)."""
+        now_t = _T.pack(time.time())
+        freed = 0
+        with self._txn(write=True) as txn:
+            begun = self._gen.begin(REMOVALS)  # (a failed commit leaves it odd: no caching)
+            victims = []
+            for key, _ in txn.cursor(db=self.lru):
+                group = bytes(key[_T.size:])
+                if self._pinned(txn, group, now_t):
+                    continue  # a pending load reads it
+                victims.append(group)
+                freed += _GROUP.unpack(txn.get(group, db=self.groups))[1]
+                if freed >= budget or len(victims) >= self.EVICT_CHUNK_GROUPS:
+                    break
+            for group in victims:
+                self._drop(txn, group)
+        self._gen.end(REMOVALS, begun)
+        return freed, len(victims)
+
+    def _tick(self) -> None:
+        with self._txn(write=True) as txn:
+            txn.put(_TICK, _T.pack(time.time()), db=self.pins)
+

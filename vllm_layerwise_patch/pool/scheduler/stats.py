@@ -1,0 +1,60 @@
+"""What the scheduler side adds to the connector's stats (vLLM asks the
+scheduler's connector for stats after every step's output): the tokens and
+blocks its lookups served from the pool - counted once per engine, where the
+workers' counts repeat on every TP rank -, the lookups that waited for
+another request's load of the same blocks (``inflight``), and the pool's fill (embedded
+backend), read at most once per ``interval`` seconds and sent only when it
+changed, so an idle pool adds nothing to vLLM's periodic log line."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..backends.lmdb.fill import pool_fill
+from ..stats import PoolStats
+
+#: running totals of the scheduler side sent as increments: name in the
+#: scheduler's counts -> counter in :class:`PoolStats`
+DELTAS = {"waits": "shared_load_waits", "timeouts": "shared_load_timeouts"}
+
+
+class SchedulerSideStats:
+    def __init__(self, counts: Callable[[], dict[str, int]], backend: Any, block_size: int,
+                 interval: float = 1.0) -> None:
+        self.counts = counts  # the scheduler's running totals (PoolScheduler.stats)
+        self.backend = backend
+        self.block_size = max(1, int(block_size))
+        self.interval = interval
+        self._hit_tokens = 0
+        self._sent = dict.fromkeys(DELTAS, 0)
+        self._next_fill = 0.0
+        self._fill: dict[str, int] | None = None
+
+    def take(self) -> PoolStats | None:
+        """Counts since the last call, and the fill when it changed; None when
+        there is nothing to report."""
+        out: dict[str, Any] = {}
+        counts = self.counts()
+        hit = int(counts.get("hit_tokens", 0))
+        if hit != self._hit_tokens:
+            B = self.block_size
+            out["lookup_hit_tokens"] = hit - self._hit_tokens
+            out["lookup_hit_blocks"] = hit // B - self._hit_tokens // B
+            self._hit_tokens = hit
+        for name, counter in DELTAS.items():
+            n = int(counts.get(name, 0))
+            if n != self._sent[name]:
+                out[counter] = n - self._sent[name]
+                self._sent[name] = n
+        now = time.monotonic()
+        if now >= self._next_fill:
+            self._next_fill = now + self.interval
+            fill = pool_fill(self.backend)
+            if fill is not None and fill != self._fill:
+                self._fill = fill
+                out.update(pool_used_bytes=fill["used_bytes"],
+                           pool_capacity_bytes=fill["capacity_bytes"],
+                           pool_entries=fill["entries"])
+        return PoolStats(data=out) if out else None
