@@ -133,18 +133,18 @@ class PoolWorker:
         if self.faults.copy_before_wait and self._model_state is not None:
             # negative control (tests): copy the state before it has arrived
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
-        self.loads.pipeline.wait(layer)
+        self.loads.wait(layer)
         if self._model_state is not None and layer != self.faults.skip_copy_layer:
             t0 = time.perf_counter()
             getattr(self._model_state, COPY_FOR_LAYER)(layer)
             self._precopy_seconds += time.perf_counter() - t0
         # attention layers get no separate fence call from vLLM: their compute
         # starts right after this wait
-        self.loads.pipeline.record_compute_start(self.pages.device)
+        self.loads.compute_started(self.pages.device)
 
     def on_layer_compute_start(self, layer: str) -> None:
         if self.layerwise:
-            self.loads.pipeline.record_compute_start(self.pages.device)
+            self.loads.compute_started(self.pages.device)
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(requests whose asynchronous loads are done, those that failed)."""
@@ -177,7 +177,7 @@ class PoolWorker:
         if meta is None:
             return
         if self.layerwise:
-            self.loads.pipeline.drain()
+            self.loads.drain()
         t0 = time.perf_counter()
         failed = self.loads.settle(meta)
         if meta.loads:
@@ -192,7 +192,7 @@ class PoolWorker:
         self.saves.finish_step(meta, saves, tainted, bulk=not self.layerwise)
         self._hook_seconds += time.perf_counter() - t0
         self.saves.flush_events()
-        if self.loads.pipeline is not None:  # fold running totals in
+        if self.loads.opened:  # fold running totals in
             now = {**self.loads.totals(), **self.saves.totals(),
                    "save_hook_seconds": self._hook_seconds,
                    "precopy_seconds": self._precopy_seconds,

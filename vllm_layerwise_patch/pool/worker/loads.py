@@ -66,6 +66,25 @@ class WorkerLoads:
         self.pipeline.load_all(self.debug_fail(self.tasks(meta, bulk=True)),
                                tolerate_errors=self.tolerate(meta))
 
+    def wait(self, layer: str) -> None:
+        """Layerwise: block until ``layer``'s pages of this step are loaded
+        (a failure raises unless the step tolerates it)."""
+        self.pipeline.wait(layer)
+
+    def compute_started(self, device: torch.device) -> None:
+        """The compute stream reached the current layer: later layers' loads
+        may overwrite the pages it no longer uses (the fence)."""
+        self.pipeline.record_compute_start(device)
+
+    def drain(self) -> None:
+        """End of a layerwise step: every load of it finished."""
+        self.pipeline.drain()
+
+    @property
+    def opened(self) -> bool:
+        """Whether the caches were registered (the pipeline exists)."""
+        return self.pipeline is not None
+
     def tasks(self, meta: PoolMetadata, bulk: bool) -> dict[str, list[LoadItem]]:
         """Per layer, the (key, destination pages) items of this step's loads,
         each key read once however many requests load it (requests sharing a
