@@ -124,9 +124,9 @@ class _Point:
         # one round as a full pool of this many entries runs it: a tenth
         # (the default evict_fraction) of what the pool holds
         be = self.be
-        be.evict_fraction = 0.1 * be.stats()["used_bytes"] / be.map_size
+        be.eviction.fraction = 0.1 * be.stats()["used_bytes"] / be.map_size
         t0 = time.perf_counter()
-        freed = be._evict(1)
+        freed = be.eviction.evict(1)
         ms = (time.perf_counter() - t0) * 1e3
         self.out["evict_round"] = {"ms": round(ms, 1), "groups_dropped": be.evicted_groups,
                                    "bytes_freed": freed,

@@ -133,7 +133,7 @@ EVICT = """
 import sys
 from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 be = LmdbBackend(sys.argv[1], 64 << 20)
-print("freed", be._evict(1 << 40))
+print("freed", be.eviction.evict(1 << 40))
 """
 
 

@@ -339,15 +339,20 @@ def test_lmdb_preallocated_pool_keeps_its_space_when_the_filesystem_fills(small_
 class _OneTransactionEviction(LmdbBackend):
     """The eviction before the fix: a round in one transaction, no retry."""
 
-    EVICT_CHUNK = 1 << 62
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.eviction.CHUNK_BYTES = 1 << 62
+        chunk = self.eviction._chunk
 
-    def _evict_chunk(self, budget):
-        import lmdb
+        def one_transaction(budget):
+            import lmdb
 
-        try:
-            return super()._evict_chunk(budget)
-        except lmdb.MapFullError as exc:
-            raise RuntimeError(f"eviction commit failed: {exc}") from None
+            try:
+                return chunk(budget)
+            except lmdb.MapFullError as exc:
+                raise RuntimeError(f"eviction commit failed: {exc}") from None
+
+        self.eviction._chunk = one_transaction
 
 
 @pytest.mark.parametrize("backend", [LmdbBackend, _OneTransactionEviction])

@@ -38,7 +38,7 @@ from ...keys import group_of
 from ..base import Backend, BackendError, PoolFull
 from .gate import Gate
 from ..generation import REMOVALS, STORES, Generation
-from .eviction import _GROUP, _T, LmdbEviction
+from .eviction import _GROUP, _T, LruEviction
 from .files import file_size, open_environment, unbacked_growth
 
 logger = logging.getLogger("vllm.layerwise_patch")
@@ -62,12 +62,12 @@ def open_shared(path: str, capacity_bytes: int, **kw) -> LmdbBackend:
         return backend
 
 
-class LmdbBackend(LmdbEviction, Backend):
+class LmdbBackend(Backend):
     def __init__(self, path: str, capacity_bytes: int, *, evict_fraction: float = 0.1,
                  pin_seconds: float = 30.0, shared_group: str | None = None,
                  preallocate: bool = True) -> None:
         self.path, self.capacity = path, int(capacity_bytes)
-        self.evict_fraction, self.pin_seconds = evict_fraction, pin_seconds
+        self.pin_seconds = pin_seconds
         self.env, dbs, self._gen, self.writemap, self._files = open_environment(
             path, self.capacity, shared_group, preallocate)
         self.path = self._files.path  # (the directories above it resolved)
@@ -80,8 +80,21 @@ class LmdbBackend(LmdbEviction, Backend):
                         "(%d bytes) by another engine; sharing it", path, self.map_size)
         self._gate = Gate()
         self._lock = threading.Lock()
-        self.evictions = self.evicted_groups = self.refs = 0
+        self.eviction = LruEviction(self.env, (self.groups, self.lru, self.pins), self._gen,
+                                    txn=self._txn, pinned=self._pinned, drop=self._drop,
+                                    map_size=lambda: self.map_size, fraction=evict_fraction)
+        self.refs = 0
         self.closed = False
+
+    @property
+    def evictions(self) -> int:
+        """Eviction rounds this process ran."""
+        return self.eviction.evictions
+
+    @property
+    def evicted_groups(self) -> int:
+        """Groups (blocks) those rounds dropped."""
+        return self.eviction.evicted_groups
 
     # -- transactions -------------------------------------------------------------
     @contextlib.contextmanager
@@ -261,7 +274,7 @@ class LmdbBackend(LmdbEviction, Backend):
                 except lmdb.MapFullError:
                     if self._adopt_map():
                         continue
-                    if self._evict(need * (attempt + 2)) == 0:
+                    if self.eviction.evict(need * (attempt + 2)) == 0:
                         raise PoolFull("no room: every entry is pinned by a pending load "
                                        "(or the pool is smaller than one step's saves)")
                 except lmdb.Error as exc:  # I/O: a full filesystem shows as EIO/ENOSPC

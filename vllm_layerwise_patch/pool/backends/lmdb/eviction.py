@@ -1,4 +1,4 @@
-"""Eviction for :class:`.lmdb.LmdbBackend` (a mixin): the least recently
+"""The eviction that :class:`.lmdb.LmdbBackend` holds: the least recently
 used unpinned groups go, chosen inside the write transactions that delete
 them (access times read there), in chunks; tiny write transactions after
 each let LMDB reuse the freed pages (it does so only after a later commit).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..generation import REMOVALS
@@ -20,21 +21,32 @@ _GROUP = struct.Struct(">dQ")  # a group's record: last use, bytes
 _TICK = b"\0vlp-tick"
 
 
-class LmdbEviction:
-    env: Any
-    map_size: int
-    evict_fraction: float
-    evictions: int
-    evicted_groups: int
-    pins: Any
-    groups: Any
-    lru: Any
-    _gen: Any
+class LruEviction:
+    """Makes room in a full map; counts its rounds (``evictions``) and the
+    groups it dropped (``evicted_groups``)."""
 
-    def _evict(self, need: int) -> int:
+    CHUNK_BYTES = 32 << 20  # bytes freed per eviction transaction, at most
+    CHUNK_GROUPS = 4096  # and groups (other engines' writes wait for each chunk)
+
+    def __init__(self, env: Any, dbs: tuple[Any, Any, Any], gen: Any, *,
+                 txn: Callable[..., Any], pinned: Callable[[Any, bytes, bytes], bool],
+                 drop: Callable[[Any, bytes], int], map_size: Callable[[], int],
+                 fraction: float) -> None:
+        """``dbs``: the backend's (groups, lru, pins) databases; ``txn``, its
+        transactions (``txn(write=True)``); ``pinned`` and ``drop``, its
+        checks for a live pin and removal of a whole group, inside a
+        transaction; ``map_size``, the map's size now (it grows)."""
+        self.env, self.gen = env, gen
+        self.groups, self.lru, self.pins = dbs
+        self._txn, self._pinned, self._drop = txn, pinned, drop
+        self.map_size = map_size
+        self.fraction = fraction  # of the map freed by one round
+        self.evictions = self.evicted_groups = 0
+
+    def evict(self, need: int) -> int:
         """Delete the least recently used unpinned groups to free about
-        ``evict_fraction`` of the pool, in write transactions of at most
-        ``EVICT_CHUNK`` bytes each (victims chosen inside each).  Returns the
+        ``fraction`` of the pool, in write transactions of at most
+        ``CHUNK_BYTES`` bytes each (victims chosen inside each).  Returns the
         bytes freed (0: nothing could go).
 
         Chunks, because a transaction that frees pages must itself write -
@@ -46,12 +58,12 @@ class LmdbEviction:
         import lmdb
 
         self.env.reader_check()  # slots of killed readers would pin old pages
-        target = max(need * 2, int(self.map_size * self.evict_fraction))
-        chunk = self.EVICT_CHUNK
+        target = max(need * 2, int(self.map_size() * self.fraction))
+        chunk = self.CHUNK_BYTES
         freed = dropped = 0
         while freed < target:
             try:
-                got, n = self._evict_chunk(min(chunk, target - freed))
+                got, n = self._chunk(min(chunk, target - freed))
             except lmdb.MapFullError:
                 if chunk <= 1:
                     break
@@ -69,17 +81,14 @@ class LmdbEviction:
         logger.info("vllm-layerwise-patch pool: evicted %d blocks (%d bytes)", dropped, freed)
         return max(freed, 1)
 
-    EVICT_CHUNK = 32 << 20  # bytes freed per eviction transaction, at most
-    EVICT_CHUNK_GROUPS = 4096  # and groups (other engines' writes wait for each chunk)
-
-    def _evict_chunk(self, budget: int) -> tuple[int, int]:
+    def _chunk(self, budget: int) -> tuple[int, int]:
         """One write transaction dropping the oldest unpinned groups, until
-        ``budget`` bytes or ``EVICT_CHUNK_GROUPS`` groups (at least one
-        group): (bytes freed, groups)."""
+        ``budget`` bytes or ``CHUNK_GROUPS`` groups (at least one group):
+        (bytes freed, groups)."""
         now_t = _T.pack(time.time())
         freed = 0
         with self._txn(write=True) as txn:
-            begun = self._gen.begin(REMOVALS)  # (a failed commit leaves it odd: no caching)
+            begun = self.gen.begin(REMOVALS)  # (a failed commit leaves it odd: no caching)
             victims = []
             for key, _ in txn.cursor(db=self.lru):
                 group = bytes(key[_T.size:])
@@ -87,14 +96,13 @@ class LmdbEviction:
                     continue  # a pending load reads it
                 victims.append(group)
                 freed += _GROUP.unpack(txn.get(group, db=self.groups))[1]
-                if freed >= budget or len(victims) >= self.EVICT_CHUNK_GROUPS:
+                if freed >= budget or len(victims) >= self.CHUNK_GROUPS:
                     break
             for group in victims:
                 self._drop(txn, group)
-        self._gen.end(REMOVALS, begun)
+        self.gen.end(REMOVALS, begun)
         return freed, len(victims)
 
     def _tick(self) -> None:
         with self._txn(write=True) as txn:
             txn.put(_TICK, _T.pack(time.time()), db=self.pins)
-
