@@ -121,7 +121,7 @@ def test_drafter_markers_are_put_after_their_pages(cluster):
 
 def placement(be, keys: list[bytes]) -> list[str]:
     """The segment (its transfer endpoint) holding each key's value."""
-    descs = be._store.batch_get_replica_desc([k.decode() for k in keys])
+    descs = be.conn.store.batch_get_replica_desc([k.decode() for k in keys])
     return [descs[k.decode()][0].get_memory_descriptor().buffer_descriptor.transport_endpoint
             for k in keys]
 
@@ -291,7 +291,7 @@ def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
         assert back_up() == [False]
         # connected; the master goes away and its probe hangs
         _SlowMaster.answer.clear()
-        be._mark_down("test: master gone")
+        be.conn.mark_down("test: master gone")
         attempts = be.attempts
         for _ in range(5):
             fails_at_once()

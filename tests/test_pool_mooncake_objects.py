@@ -76,7 +76,7 @@ def test_a_block_is_one_object_read_whole_or_by_layer_ranges(cluster):
     h = b"\x01" * 32
     be.put_many(block(h))
     assert be.calls["put_objects"] == 1  # three objects, one call
-    names = be._store  # the objects themselves: no per-layer keys, no markers
+    names = be.conn.store  # the objects themselves: no per-layer keys, no markers
     base = f"{NS.hex()}/attn/{h.hex()}/tp0"
     assert names.batch_is_exist([base + "/B", base + "/B@7", base + "/L0", base + "/commit",
                                  f"{NS.hex()}/state/{h.hex()}/tp0/B"]) == [1, 1, 0, 0, 1]
@@ -94,7 +94,7 @@ def test_a_block_is_one_object_read_whole_or_by_layer_ranges(cluster):
         v = be.get_many([page_key(NS, ATTN, h, 0, str(i))], [HEADER_SIZE + PAGE])[0]
         assert bytes(unpack(b"k", v, NS)) == bytes([i + 1]) * PAGE
     assert be.calls["get_sessions"] == 1 and be.calls["ranged_gets"] == 6
-    assert not be._sessions  # every slot read: the session ended
+    assert not be.ranges.sessions  # every slot read: the session ended
     # a page of a block never stored: missing, never another block's bytes
     assert be.get_many([page_key(NS, ATTN, b"\x09" * 32, 0, "0")]) == [None]
     be.delete_groups([f"{NS.hex()}/attn/{h.hex()}/tp0".encode()])
@@ -238,7 +238,7 @@ def test_the_hit_cache_holds_until_this_process_writes_or_the_cap(cluster):
     other.close()
     # the master went away: a new epoch, nothing cached survives
     gen = be.generation()
-    be._mark_down("test")
+    be.conn.mark_down("test")
     assert be.epoch == gen.epoch + 1
     be.close()
 

@@ -103,7 +103,7 @@ def test_an_object_that_fails_otherwise_is_not_retried(cluster, monkeypatch):
     def no_space(_store, names, *_a):
         return [-200] * len(names)
 
-    monkeypatch.setattr(be, "_put_batch", no_space)
+    monkeypatch.setattr(be.writes, "_put_batch", no_space)
     with pytest.raises(BackendError):
         be.put_many(block(h))
     assert be.put_skipped == 0 and be.calls["put_objects"] == 1

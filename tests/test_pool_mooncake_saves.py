@@ -47,7 +47,7 @@ def test_a_saved_object_is_the_same_whether_put_from_the_pack_memory_or_staged(
     direct = zero_copy and not shm
     assert be.calls["slots_from_pack"] == (len(pages) if direct else 0)
     for kind, names in ((ATTN, LAYERS), (STATE, STATES)):
-        raw = be._store.get(f"{NS.hex()}/{kind}/{h.hex()}/tp0/B")
+        raw = be.conn.store.get(f"{NS.hex()}/{kind}/{h.hex()}/tp0/B")
         assert len(raw) == len(names) * SLOT
         for i, name in enumerate(names):
             page = pages[(kind, name)].numpy().tobytes()
@@ -66,7 +66,7 @@ def test_pack_memory_is_offered_without_waiting_and_registered_by_the_next_put(c
     # through the staging buffer; the next put registers it and puts from it
     be = backend(cluster.master_address)
     saver = SaveQueue(be, NS)
-    with be._conn_lock:
+    with be.conn.lock:
         offered = threading.Event()
         threading.Thread(target=lambda: (saver.reserve(), offered.set()), daemon=True).start()
         assert offered.wait(5), "offering the pack memory waited for the connection"

@@ -1,2 +1,5 @@
-"""The distributed backend on Mooncake Store (:mod:`.backend`): the
-connection to the master, block objects, and their readers."""
+"""The distributed backend on Mooncake Store (:mod:`.backend`), built from
+its pieces: the connection to the master (:mod:`.connection`), block
+objects' layouts and writes (:mod:`.objects`), their readers
+(:mod:`.ranges`, :mod:`.whole`, :mod:`.staged`), and the staging buffer
+(:mod:`.staging`)."""

@@ -52,6 +52,7 @@ listen on loopback or a trusted network only (``mooncake-local`` does).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -63,10 +64,13 @@ from ...config import PREFIX, PoolConfigError
 from ...keys import is_marker
 from ...logs import LogOnce
 from ..base import HEADER_SIZE, Backend, BackendError, PoolFull
+from ..generation import Generation
 from .connection import MooncakeConnection
-from .objects import BlockObjects
-from .staging import (MISSING, NO_SPACE, TOO_SMALL, UNREACHABLE,
-                          BackendUnavailable, Registered, describe)
+from .objects import ObjectLayouts, ObjectWrites
+from .ranges import RangeReads
+from .staged import StagedReads
+from .staging import MISSING, NO_SPACE, TOO_SMALL, BackendUnavailable, describe
+from .whole import WholeReads
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -88,56 +92,105 @@ def open_shared(cfg: Any, *, on_unavailable: str, segment: bool) -> MooncakeBack
     return backend
 
 
-class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
+class MooncakeBackend(Backend):
+    """The backend, built from the pieces of this package and delegating to
+    them: ``conn`` (:mod:`.connection`: the master, staging buffer, segment
+    and registered memory; built first and given to every other piece),
+    ``layouts`` (:mod:`.objects`: where block objects' pages live),
+    ``writes`` (puts of block objects), the readers ``ranges`` (get
+    sessions and byte ranges), ``whole`` (own-segment whole reads) and
+    ``staged`` (same-node staged reads).  Keys that are no block object's
+    page are read and written here; it counts its own stores and removals
+    (:meth:`generation`)."""
+
     def __init__(self, cfg: Any, *, on_unavailable: str = "recompute") -> None:
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", cfg.local_hostname)
-        if cfg.protocol == "tcp":
-            os.environ.setdefault("MC_FORCE_TCP", "1")
         self.cfg = cfg
         self.on_unavailable = on_unavailable
-        self._memory = Registered()  # host memory for zero-copy loads
-        self._save_memory = Registered()  # pack memory saves put from directly
-        self._offered: list[tuple[int, int]] = []  # pack memory not registered yet
-        self._offered_lock = threading.Lock()
         self.log = LogOnce()
         self.refs = 0
         self.closed = False
-        self._init_objects()
-        self._init_connection()
+        self._stores = self._removals = 0  # this process's own writes (generation())
+        self.conn = MooncakeConnection(cfg, self.log)
+        self.layouts = ObjectLayouts(cfg)
+        self.writes = ObjectWrites(self.conn, self.layouts, cfg, self.log, self.calls)
+        self.whole = WholeReads(self.conn, self.layouts, self.calls)
+        self.staged = StagedReads(self.conn, self.layouts, cfg, self.calls)
+        self.ranges = RangeReads(self.conn, cfg, self.calls, self.whole, self.staged)
         try:
-            self._connect()
+            self.conn.connect()
         except BackendUnavailable as exc:
             if on_unavailable == "fail":
                 raise PoolConfigError(
                     f"{PREFIX}.mooncake.master_address: {exc} (on_backend_unavailable="
                     "'fail'; 'recompute' starts the engine without pool hits until the "
                     "master is reachable)") from None
-            self._mark_down(str(exc))
+            self.conn.mark_down(str(exc))
 
-    def _check(self, codes: Iterable[int], op: str) -> None:
-        """Master unreachable anywhere in a batch: mark down and raise."""
-        if any(c == UNREACHABLE for c in codes):
-            self._mark_down(f"Mooncake {op}: master at {self.cfg.master_address} "
-                            f"unreachable ({describe(UNREACHABLE)})")
-            raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} is "
-                                     "unreachable")
+    # -- what the rest of the pool reads ----------------------------------------
+    @property
+    def epoch(self) -> int:
+        """Moves when the master goes away and when it answers again."""
+        return self.conn.epoch
 
-    def _failed(self, code: int, key: bytes) -> None:
-        if code != MISSING:  # (a missing value is the common, expected case)
-            self.log.warning(f"code{code}", "vllm-layerwise-patch pool: Mooncake get of %r: "
-                             "%s (further %d codes are not logged)", key, describe(code), code)
+    @property
+    def attempts(self) -> int:
+        """Connect attempts after the first (tests)."""
+        return self.conn.attempts
+
+    @property
+    def put_skipped(self) -> int:
+        """Block objects given up after a retried transfer failure."""
+        return self.writes.put_skipped
+
+    @property
+    def hit_cache_cap(self) -> float:
+        """The longest the scheduler's hit cache may keep an answer."""
+        return float(getattr(self.cfg, "hit_cache_seconds", 0.0))
+
+    def generation(self) -> Generation | None:
+        """This process's stores and removals and the connection's epoch (see
+        :mod:`.objects`); None (nothing cached) without block objects."""
+        if not self.layouts.known or not self.hit_cache_cap:
+            return None
+        return Generation(self.conn.epoch, self._stores, self._removals)
+
+    @contextlib.contextmanager
+    def _moving(self, counter: str):
+        """Move ``counter`` to odd before a write and to even after it."""
+        setattr(self, counter, getattr(self, counter) + 1)
+        try:
+            yield
+        finally:
+            setattr(self, counter, getattr(self, counter) + 1)
+
+    def set_layout(self, ns: bytes, layout: Any) -> None:
+        """Store this namespace's pages as block objects (:mod:`.objects`)."""
+        self.layouts.set_layout(ns, layout)
+
+    def mount_segment(self) -> None:
+        """Contribute this process's segment (workers), now or on connect."""
+        self.conn.mount_segment()
+
+    def plan_loads(self, tasks: dict[str, list]) -> None:
+        """A step's loads (layer -> [(key, [page tensor])]): whole objects
+        where this process holds a segment and reads into registered pages
+        (:mod:`.whole`), or through a same-node client (:mod:`.staged`)."""
+        if self.cfg.client_address:
+            self.staged.plan_loads(tasks if self.layouts.known else {})
+        else:
+            self.whole.plan_loads(tasks)
 
     # -- reads -----------------------------------------------------------------
     def exists_many(self, keys: Iterable[bytes]) -> list[bool]:
         """(A page or marker of a block object: whether the object exists.)"""
-        keys = self._names(keys)
+        keys = self.layouts.names(keys)
         if not keys:
             return []
-        store = self._ready()
+        store = self.conn.ready()
         unique = list(dict.fromkeys(keys))
         found = dict(zip(unique, store.batch_is_exist(unique)))
         rcs = [found[k] for k in keys]
-        self._check(rcs, "exists")
+        self.conn.check(rcs, "exists")
         if any(r < 0 for r in rcs):
             raise BackendError(f"Mooncake batch_is_exist returned {sorted(set(rcs))}")
         return [r == 1 for r in rcs]
@@ -145,10 +198,10 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
     def read_many(self, keys: list[bytes], consume, sizes: list[int] | None = None) -> None:
         if not keys:
             return
-        store = self._ready()
-        where = {i: w for i, w in enumerate(map(self._locate, keys)) if w is not None}
+        store = self.conn.ready()
+        where = {i: w for i, w in enumerate(map(self.layouts.locate, keys)) if w is not None}
         if where:  # block objects' slots (mooncake.objects)
-            self._read_objects(store, keys, where, consume, sizes)
+            self.ranges.read(store, keys, where, consume, sizes)
             rest = [i for i in range(len(keys)) if i not in where]
             if rest:
                 self.read_many([keys[i] for i in rest],
@@ -158,30 +211,20 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
         names = [k.decode() for k in keys]
         if sizes is None:  # (callers pass them: the page size is known)
             sizes = [max(store.get_size(k), 1) for k in names]
-        staging = self._staging
+        staging = self.conn.staging
         with staging.region() as region:
             for i, j, ptrs in staging.runs(region, sizes):  # one call per region-full
                 rcs = store.batch_get_into(names[i:j], ptrs, sizes[i:j])
-                self._check(rcs, "get")
+                self.conn.check(rcs, "get")
                 for n, ptr, rc in zip(range(i, j), ptrs, rcs):
                     if rc >= 0:
                         consume(n, keys[n], staging.view(ptr, rc))
                     else:
-                        self._failed(rc, keys[n])
+                        self.conn.failed(rc, keys[n])
                         # bigger than the page it should hold: not ours
                         consume(n, keys[n], b"" if rc == TOO_SMALL else None)
 
     # -- zero-copy loads and saves -----------------------------------------------
-    def _register(self, ptr: int, size: int, memory: Registered) -> None:
-        rc = self._store.register_buffer(ptr, size)
-        if rc == 0:
-            memory.add(ptr, size)
-        else:
-            what = "pack memory" if memory is self._save_memory else "KV cache"
-            self.log.warning(f"register-{what}", "vllm-layerwise-patch pool: Mooncake "
-                             "register_buffer of the %s returned %s; it goes through the "
-                             "staging buffer", what, describe(rc))
-
     def register_memory(self, ptr: int, size: int, saves: bool = False) -> bool:
         """Zero-copy loads into the KV cache (``zero_copy_loads``), or with
         ``saves`` puts straight from the save path's pack memory
@@ -194,66 +237,41 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
         if self.cfg.client_address or not (self.cfg.zero_copy_saves if saves
                                            else self.cfg.zero_copy_loads):
             return False
-        if saves:  # (offered by whoever packs - the forward thread on CPU: never waits)
-            with self._offered_lock:
-                self._offered.append((ptr, size))
-            return True
-        with self._conn_lock:  # (a connect in the background registers what is wanted)
-            self._want(ptr, size, self._memory)
+        self.conn.register_memory(ptr, size, saves)
         return True
-
-    def _want(self, ptr: int, size: int, memory: Registered) -> None:
-        """Register now if connected, and on every connect (``_conn_lock`` held)."""
-        memory.wanted.append((ptr, size))
-        if self._store is not None:
-            self._register(ptr, size, memory)
-
-    def _register_offered(self) -> None:
-        """Register the pack memory offered since the last put (the send
-        thread, before a put): not while a connect attempt holds the
-        connection - that put goes through the staging buffer."""
-        if not self._offered or not self._conn_lock.acquire(blocking=False):
-            return
-        try:
-            with self._offered_lock:
-                offered, self._offered = self._offered, []
-            for ptr, size in offered:
-                self._want(ptr, size, self._save_memory)
-        finally:
-            self._conn_lock.release()
 
     def read_direct(self, keys: list[bytes], ptrs: list[int], lengths: list[int]
                     ) -> list[bytes | None] | None:
         """Headers into the staging region, payloads straight into the pages
         (one ``batch_get_into_multi_buffers`` call per region-full)."""
-        if keys and self.cfg.client_address and self._stage:  # (mooncake.staged)
-            return self._direct_staged(self._ready(), keys, ptrs, lengths)
-        if keys and self._plan_keys:  # (mooncake.whole: a step planned whole)
-            got = self._direct_planned(self._ready(), keys, ptrs)
+        if keys and self.cfg.client_address and self.staged.stage:  # (mooncake.staged)
+            return self.staged.direct(self.conn.ready(), keys, ptrs, lengths)
+        if keys and self.whole.plan_keys:  # (mooncake.whole: a step planned whole)
+            got = self.whole.direct_planned(self.conn.ready(), keys, ptrs)
             if got is not None:
                 return got
-        if not keys or not self._memory.covers(ptrs, lengths):
+        if not keys or not self.conn.memory.covers(ptrs, lengths):
             return None
-        store = self._ready()
-        where = [self._locate(k) for k in keys]
+        store = self.conn.ready()
+        where = [self.layouts.locate(k) for k in keys]
         if all(w is not None for w in where):  # block objects' slots (mooncake.objects)
-            return self._direct_objects(store, keys, where, ptrs, lengths)
+            return self.ranges.direct(store, keys, where, ptrs, lengths)
         if any(w is not None for w in where):
             return None  # (a mix: read_many sorts it out)
         names = [k.decode() for k in keys]
         out: list[bytes | None] = []
-        staging = self._staging
+        staging = self.conn.staging
         with staging.region() as region:
             for i, j, heads in staging.runs(region, [HEADER_SIZE] * len(keys)):
                 rcs = store.batch_get_into_multi_buffers(
                     names[i:j], [[h, p] for h, p in zip(heads, ptrs[i:j])],
                     [[HEADER_SIZE, n] for n in lengths[i:j]])
-                self._check(rcs, "get")
+                self.conn.check(rcs, "get")
                 for n, head, rc in zip(range(i, j), heads, rcs):
                     if rc == HEADER_SIZE + lengths[n]:
                         out.append(bytes(staging.view(head, HEADER_SIZE)))
                     else:  # missing, or a value of another size: not this page's
-                        self._failed(rc, keys[n])
+                        self.conn.failed(rc, keys[n])
                         out.append(None if rc == MISSING else b"")
         return out
 
@@ -272,9 +290,9 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
 
         config = ReplicateConfig()
         config.replica_num = self.cfg.replica_num
-        if self._local_segment:  # (Mooncake falls back to other segments when full)
-            config.preferred_segment = self._local_segment
-        staging = self._staging
+        if self.conn.local_segment:  # (Mooncake falls back to other segments when full)
+            config.preferred_segment = self.conn.local_segment
+        staging = self.conn.staging
         with staging.region() as region:
             for i, j, ptrs in staging.runs(region, [len(v) for _, v in items], PoolFull):
                 for (_, v), ptr in zip(items[i:j], ptrs):
@@ -282,7 +300,7 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
                 batch = items[i:j]
                 rcs = store.batch_upsert_from([k.decode() for k, _ in batch], ptrs,
                                               [len(v) for _, v in batch], config)
-                self._check(rcs, "put")
+                self.conn.check(rcs, "put")
                 bad = [(k, rc) for (k, _), rc in zip(batch, rcs) if rc != 0]
                 if bad:
                     key, rc = bad[0]
@@ -296,11 +314,11 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
         too) only once every page is stored."""
         if not items:
             return
-        store = self._ready()
-        items, objects = self._split_puts(items)
+        store = self.conn.ready()
+        items, objects = self.writes.split(items)
         with self._moving("_stores"):
             if objects:  # block objects (mooncake.objects): no markers
-                self._put_objects(store, objects)
+                self.writes.put(store, objects)
             pages = [(k, v) for k, v in items if not is_marker(k)]
             markers = [(k, v) for k, v in items if is_marker(k)]
             self._upsert(store, pages)
@@ -308,30 +326,25 @@ class MooncakeBackend(BlockObjects, MooncakeConnection, Backend):
 
     def delete(self, keys: Iterable[bytes]) -> None:
         """(A block object's page: the whole object.)"""
-        keys = list(dict.fromkeys(self._names(keys)))
+        keys = list(dict.fromkeys(self.layouts.names(keys)))
         if keys:
             with self._moving("_removals"):
-                self._check(self._ready().batch_remove(keys, True), "remove")
+                self.conn.check(self.conn.ready().batch_remove(keys, True), "remove")
 
     def delete_groups(self, groups: Iterable[bytes]) -> None:
         groups = [g.decode() for g in dict.fromkeys(groups)]
         if groups:
             pattern = "^(" + "|".join(re.escape(g) for g in groups) + ")/"
             with self._moving("_removals"):
-                rc = self._ready().remove_by_regex(pattern, True)
-            self._check([rc], "remove")
+                rc = self.conn.ready().remove_by_regex(pattern, True)
+            self.conn.check([rc], "remove")
 
     def stats(self) -> dict[str, int]:
-        return {"available": int(not self._down)}
+        return {"available": int(not self.conn.down)}
 
     def close(self) -> None:
         self.refs -= 1
         if self.refs <= 0 and not self.closed:
             self.closed = True
-            if self._stage_pool is not None:  # (mooncake.staged's readers)
-                self._stage_pool.shutdown(wait=False)
-            if self._store is not None:
-                try:
-                    self._store.close()
-                except Exception:  # noqa: BLE001
-                    pass
+            self.staged.close()  # (mooncake.staged's readers)
+            self.conn.close()

@@ -1,6 +1,9 @@
-"""The Mooncake backend's connection to its master: setup, the segment this
-process holds, and coming back after the master went away.  A mixin of
-:class:`.mooncake.MooncakeBackend`.
+"""The Mooncake backend's connection to its master (:class:`MooncakeConnection`,
+built first; every other piece of :class:`.mooncake.MooncakeBackend` is
+given it): setup, the registered staging buffer, the segment this process
+holds, the host memory registered with the store, the check of every
+answer for an unreachable master, and coming back after the master went
+away.
 
 While the master is down every operation fails at once (BackendUnavailable:
 the pool serves no hits and saves nothing, logged once).  A background
@@ -17,13 +20,16 @@ the master returns is served from the pool.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from ..base import BackendError
-from .staging import BackendUnavailable, describe, host_port, make_staging
+from .staging import (MISSING, UNREACHABLE, BackendUnavailable, Registered, describe,
+                      host_port, make_staging)
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -31,27 +37,40 @@ PROBE_KEY = "\0vlp-probe"
 
 
 class MooncakeConnection:
-    REGIONS = 4
-    cfg: Any
-    log: Any
+    """The client of one master, with what hangs on it: ``store`` (None
+    until set up), ``staging``, the segment, ``memory`` (the KV cache
+    registered for zero-copy loads) and ``save_memory`` (pack memory saves
+    are put from), ``down`` / ``epoch`` / ``attempts``."""
 
-    def _init_connection(self) -> None:
-        self._conn_lock = threading.Lock()  # held by the one connect attempt running
-        self._store: Any = None
-        self._staging: Any = None
+    REGIONS = 4
+
+    def __init__(self, cfg: Any, log: Any) -> None:
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", cfg.local_hostname)
+        if cfg.protocol == "tcp":
+            os.environ.setdefault("MC_FORCE_TCP", "1")
+        self.cfg = cfg
+        self.log = log
+        self.memory = Registered()  # host memory for zero-copy loads
+        self.save_memory = Registered()  # pack memory saves put from directly
+        self._offered: list[tuple[int, int]] = []  # pack memory not registered yet
+        self._offered_lock = threading.Lock()
+        self.lock = threading.Lock()  # held by the one connect attempt running
+        self.store: Any = None
+        self.staging: Any = None
         self._segment_wanted = False
-        self._segment_mounted = False
-        self._local_segment = ""  # this process's segment, where saves go first
+        self.segment_mounted = False
+        self.local_segment = ""  # this process's segment, where saves go first
         self._down_until = 0.0
-        self._down = False
+        self.down = False
         self._watch_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
+        self.closed = False
         self.attempts = 0  # connect attempts after the first (tests)
         #: moves when the master goes away and when it answers again (what was
         #: known of the pool before may be gone: the hit cache starts afresh)
         self.epoch = 0
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
         """Set the client up (master reachable) or raise BackendUnavailable."""
         from mooncake.store import MooncakeDistributedStore
 
@@ -75,10 +94,10 @@ class MooncakeConnection:
                 f"Mooncake setup against master {cfg.master_address}"
                 + (f" via client {cfg.client_address}" if cfg.client_address else "")
                 + f" returned {describe(rc)}")
-        if self._staging is None:
-            self._staging = make_staging(store, cfg, self.REGIONS)
-        self._store = store
-        for memory in (self._memory, self._save_memory):
+        if self.staging is None:
+            self.staging = make_staging(store, cfg, self.REGIONS)
+        self.store = store
+        for memory in (self.memory, self.save_memory):
             for ptr, size in memory.wanted:
                 self._register(ptr, size, memory)
         if self._segment_wanted:
@@ -86,31 +105,98 @@ class MooncakeConnection:
 
     def _mount(self) -> None:
         size = self.cfg.global_segment_size
-        if size and not self._segment_mounted and not self.cfg.client_address:
-            res = self._store.allocate_and_mount_segment(size, self.cfg.protocol)
+        if size and not self.segment_mounted and not self.cfg.client_address:
+            res = self.store.allocate_and_mount_segment(size, self.cfg.protocol)
             if res.get("ret", -1) != 0:
                 raise BackendError(f"Mooncake could not mount a {size}-byte segment: {res}")
-            self._segment_mounted = True
+            self.segment_mounted = True
             if self.cfg.prefer_local_segment:
-                self._local_segment = self._store.get_hostname()
+                self.local_segment = self.store.get_hostname()
             logger.info("vllm-layerwise-patch pool: this process holds %d bytes of the "
                         "Mooncake pool (global_segment_size); they leave with it", size)
 
     def mount_segment(self) -> None:
         """Contribute this process's segment (workers), now or on connect."""
-        with self._conn_lock:
+        with self.lock:
             self._segment_wanted = True
-            if self._store is not None:
+            if self.store is not None:
                 self._mount()
 
-    def _mark_down(self, why: str) -> None:
-        if not self._down:
+    # -- answers -----------------------------------------------------------------
+    def ready(self) -> Any:
+        """The store, or BackendUnavailable at once while the master is (or
+        was recently) down."""
+        if not self.down and self.store is not None:
+            return self.store
+        self._watch()  # (normally running already)
+        raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} "
+                                 "is unreachable")
+
+    def check(self, codes: Iterable[int], op: str) -> None:
+        """Master unreachable anywhere in a batch: mark down and raise."""
+        if any(c == UNREACHABLE for c in codes):
+            self.mark_down(f"Mooncake {op}: master at {self.cfg.master_address} "
+                           f"unreachable ({describe(UNREACHABLE)})")
+            raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} is "
+                                     "unreachable")
+
+    def failed(self, code: int, key: bytes) -> None:
+        """A get of ``key`` answered ``code``: logged once per code."""
+        if code != MISSING:  # (a missing value is the common, expected case)
+            self.log.warning(f"code{code}", "vllm-layerwise-patch pool: Mooncake get of %r: "
+                             "%s (further %d codes are not logged)", key, describe(code), code)
+
+    # -- registered memory ---------------------------------------------------------
+    def _register(self, ptr: int, size: int, memory: Registered) -> None:
+        rc = self.store.register_buffer(ptr, size)
+        if rc == 0:
+            memory.add(ptr, size)
+        else:
+            what = "pack memory" if memory is self.save_memory else "KV cache"
+            self.log.warning(f"register-{what}", "vllm-layerwise-patch pool: Mooncake "
+                             "register_buffer of the %s returned %s; it goes through the "
+                             "staging buffer", what, describe(rc))
+
+    def register_memory(self, ptr: int, size: int, saves: bool) -> None:
+        """The KV cache: registered now if connected, and on every connect.
+        Pack memory (``saves``) is only taken note of: the packing thread
+        never waits for a connect attempt (:meth:`register_offered`)."""
+        if saves:  # (offered by whoever packs - the forward thread on CPU: never waits)
+            with self._offered_lock:
+                self._offered.append((ptr, size))
+            return
+        with self.lock:  # (a connect in the background registers what is wanted)
+            self._want(ptr, size, self.memory)
+
+    def _want(self, ptr: int, size: int, memory: Registered) -> None:
+        """Register now if connected, and on every connect (``lock`` held)."""
+        memory.wanted.append((ptr, size))
+        if self.store is not None:
+            self._register(ptr, size, memory)
+
+    def register_offered(self) -> None:
+        """Register the pack memory offered since the last put (the send
+        thread, before a put): not while a connect attempt holds the
+        connection - that put goes through the staging buffer."""
+        if not self._offered or not self.lock.acquire(blocking=False):
+            return
+        try:
+            with self._offered_lock:
+                offered, self._offered = self._offered, []
+            for ptr, size in offered:
+                self._want(ptr, size, self.save_memory)
+        finally:
+            self.lock.release()
+
+    # -- down and back -------------------------------------------------------------
+    def mark_down(self, why: str) -> None:
+        if not self.down:
             self.epoch += 1
-        self._down = True
+        self.down = True
         self._down_until = time.monotonic() + self.cfg.reconnect_seconds
         self.log.warning("down", "vllm-layerwise-patch pool: %s; the pool serves no hits and "
-                        "saves nothing until it answers (retrying every %.0f s)", why,
-                        self.cfg.reconnect_seconds)
+                         "saves nothing until it answers (retrying every %.0f s)", why,
+                         self.cfg.reconnect_seconds)
         self._watch()
 
     def _watch(self) -> None:
@@ -121,43 +207,43 @@ class MooncakeConnection:
                                                  name="vlp-mooncake-reconnect", daemon=True)
                 self._watcher.start()
 
-    def _ready(self) -> Any:
-        """The store, or BackendUnavailable at once while the master is (or
-        was recently) down."""
-        if not self._down and self._store is not None:
-            return self._store
-        self._watch()  # (normally running already)
-        raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} "
-                                 "is unreachable")
-
     def _reconnect_until_up(self) -> None:
         """Attempts every ``reconnect_seconds`` while the master is down and
-        the backend open (a background thread)."""
-        while self._down and not self.closed:
+        the connection open (a background thread)."""
+        while self.down and not self.closed:
             wait = self._down_until - time.monotonic()
             if wait > 0:
                 time.sleep(min(wait, 1.0))
                 continue
-            with self._conn_lock:
+            with self.lock:
                 if self.closed:
                     return
                 self.attempts += 1
                 self._attempt()
 
     def _attempt(self) -> None:
-        """One attempt to reach the master again (``_conn_lock`` held)."""
+        """One attempt to reach the master again (``lock`` held)."""
         try:
-            if self._store is None:
-                self._connect()
-            elif self._store.batch_is_exist([PROBE_KEY])[0] < 0:
+            if self.store is None:
+                self.connect()
+            elif self.store.batch_is_exist([PROBE_KEY])[0] < 0:
                 raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} "
                                          "still unreachable")
         except Exception:  # noqa: BLE001 - down it stays; tried again later
             self._down_until = time.monotonic() + self.cfg.reconnect_seconds
         else:
-            if self._down:
+            if self.down:
                 self.epoch += 1
-                self._down = False
+                self.down = False
                 self.log.forget("down")
                 logger.warning("vllm-layerwise-patch pool: Mooncake master at %s answers "
                                "again; the pool is back", self.cfg.master_address)
+
+    def close(self) -> None:
+        """Stop reconnecting and close the client."""
+        self.closed = True
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:  # noqa: BLE001
+                pass

@@ -1,7 +1,9 @@
 """Block objects on Mooncake (key format 5): one object per (block, kind,
 rank) - and per next token for a block's drafter pages - holding every
 layer's page as a byte range, instead of one object per page plus a commit
-marker.  A mixin of :class:`.mooncake.MooncakeBackend`.
+marker.  Here: where each page key lives (:class:`ObjectLayouts`) and the
+writes of whole objects (:class:`ObjectWrites`); their reads are
+:mod:`.mooncake.ranges`, :mod:`.mooncake.whole` and :mod:`.mooncake.staged`.
 
 Why: every Mooncake object costs master operations (a put is a PutStart and
 a PutEnd, a get a replica-list query, each with a lease, an allocation and a
@@ -55,11 +57,11 @@ backend maps a page key to its object's range and a marker to the object.
 * A replica list cached in a session can outlive the object only past
   its read lease; each range carries its own header and checksum, so such
   a read fails its check and takes the load-failure path.
-* Hit cache: :meth:`generation` counts this process's own stores and
-  removals and moves its epoch whenever the master goes away or comes back;
-  Mooncake tells nothing of other clients' stores or of its evictions, so
-  the scheduler keeps answers at most ``hit_cache_seconds``
-  (:attr:`hit_cache_cap`): a block another engine saved meanwhile is missed
+* Hit cache: the backend's ``generation()`` counts this process's own
+  stores and removals and moves its epoch whenever the master goes away or
+  comes back; Mooncake tells nothing of other clients' stores or of its
+  evictions, so the scheduler keeps answers at most ``hit_cache_seconds``
+  (its ``hit_cache_cap``): a block another engine saved meanwhile is missed
   for that long, an evicted one taken for a hit fails its load and the
   request recomputes - never wrong tokens.
 * Old keys (format 4: per-layer objects and markers) live under other
@@ -68,18 +70,14 @@ backend maps a page key to its object's range and a marker to the object.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import threading
 from collections.abc import Iterable
 from typing import Any
 
 from ...faults import faults
 from ...keys import ATTN, COMMIT, STATE, layer_id
-from ..generation import Generation
 from ..base import HEADER_SIZE, VALUE_OFFSET, BackendError, PoolFull
 from .staging import NO_SPACE, describe
-from .ranges import ObjectReads
 
 TRANSFER_FAIL = -800
 EXISTS = -705
@@ -122,73 +120,58 @@ class ObjectLayout:
         return None
 
 
-class BlockObjects(ObjectReads):
-    """The block-object paths of :class:`.mooncake.MooncakeBackend`."""
+class ObjectLayouts:
+    """The layouts of the namespaces whose pages are block objects
+    (``known``), and each key's place in them."""
 
-    _layouts: list[ObjectLayout]
-
-    def _init_objects(self) -> None:
-        self._layouts = []
-        self._sessions: dict[str, tuple[float, set[int]]] = {}  # object -> (start, slots left)
-        self._session_lock = threading.Lock()
-        self.put_skipped = 0  # objects given up after a retried transfer failure
-        self._inject_put_fails = faults().mooncake_put_transfer_fails  # (tests)
-        self._stores = self._removals = 0  # this process's own (generation())
-        self._init_whole()
-
-    @property
-    def hit_cache_cap(self) -> float:
-        """The longest the scheduler's hit cache may keep an answer."""
-        return float(getattr(self.cfg, "hit_cache_seconds", 0.0))
-
-    def generation(self) -> Generation | None:
-        """This process's stores and removals and the connection's epoch (see
-        module doc); None (nothing cached) without block objects."""
-        if not self._layouts or not self.hit_cache_cap:
-            return None
-        return Generation(self.epoch, self._stores, self._removals)
-
-    @contextlib.contextmanager
-    def _moving(self, counter: str):
-        """Move ``counter`` to odd before a write and to even after it."""
-        setattr(self, counter, getattr(self, counter) + 1)
-        try:
-            yield
-        finally:
-            setattr(self, counter, getattr(self, counter) + 1)
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.known: list[ObjectLayout] = []
 
     def set_layout(self, ns: bytes, layout: Any) -> None:
         """Store this namespace's pages as block objects (see module doc)."""
         if not getattr(self.cfg, "block_objects", True):
             return
         new = ObjectLayout.of(ns, layout)
-        self._layouts = [x for x in self._layouts if x.prefix != new.prefix] + [new]
+        self.known = [x for x in self.known if x.prefix != new.prefix] + [new]
 
-    def _locate(self, key: bytes) -> tuple[ObjectLayout, str, int, int] | None:
-        if not self._layouts:
+    def locate(self, key: bytes) -> tuple[ObjectLayout, str, int, int] | None:
+        if not self.known:
             return None
         name = key.decode()
-        for lay in self._layouts:
+        for lay in self.known:
             where = lay.locate(name)
             if where is not None:
                 return (lay, *where)
         return None
 
-    def _names(self, keys: Iterable[bytes]) -> list[str]:
+    def names(self, keys: Iterable[bytes]) -> list[str]:
         """The Mooncake name each key is kept under."""
         out = []
         for k in keys:
-            where = self._locate(k)
+            where = self.locate(k)
             out.append(k.decode() if where is None else where[1])
         return out
 
-    # -- writes ----------------------------------------------------------------
-    def _split_puts(self, items: list[tuple[bytes, Any]]):
+
+class ObjectWrites:
+    """Puts of whole block objects: from the pack memory where it is
+    registered, else through the staging buffer; a transfer failure retried
+    once, then counted (``put_skipped``)."""
+
+    def __init__(self, conn: Any, layouts: ObjectLayouts, cfg: Any, log: Any,
+                 calls: Any) -> None:
+        self.conn, self.layouts = conn, layouts
+        self.cfg, self.log, self.calls = cfg, log, calls
+        self.put_skipped = 0  # objects given up after a retried transfer failure
+        self._inject_put_fails = faults().mooncake_put_transfer_fails  # (tests)
+
+    def split(self, items: list[tuple[bytes, Any]]):
         """(plain items, {object: (layout, values per slot)}) of a put; only
         objects whose marker is in the batch and whose slots are all there."""
         plain, objs, committed = [], {}, set()
         for k, v in items:
-            where = self._locate(k)
+            where = self.layouts.locate(k)
             if where is None:
                 plain.append((k, v))
                 continue
@@ -208,15 +191,17 @@ class BlockObjects(ObjectReads):
             full[obj] = (lay, values)
         return plain, full
 
-    def _put_objects(self, store: Any, objs: dict[str, tuple[ObjectLayout, list]]) -> None:
+    def put(self, store: Any, objs: dict[str, tuple[ObjectLayout, list]]) -> None:
+        """Write the objects :meth:`split` found whole, one
+        ``batch_put_from_multi_buffers`` per staging region's worth."""
         from mooncake.store import ReplicateConfig
 
-        self._register_offered()
+        self.conn.register_offered()
         config = ReplicateConfig()
         config.replica_num = self.cfg.replica_num
-        if self._local_segment:
-            config.preferred_segment = self._local_segment
-        staging = self._staging
+        if self.conn.local_segment:
+            config.preferred_segment = self.conn.local_segment
+        staging = self.conn.staging
         todo = list(objs.items())
         retry: list = []
         with staging.region() as region:
@@ -254,7 +239,7 @@ class BlockObjects(ObjectReads):
                         ptrs.append(p)
                         sizes.append(s)
                     rcs = self._put_batch(store, names, ptrs, sizes, config)
-                    self._check(rcs, "put")
+                    self.conn.check(rcs, "put")
                     self.calls["put_objects"] += 1
                     bad = [(o, rc) for o, rc in zip(names, rcs) if rc not in (0, EXISTS)]
                     if attempt == 0:  # (a holder just restarted: once more)
@@ -280,7 +265,7 @@ class BlockObjects(ObjectReads):
             at = ctypes.addressof(ctypes.c_char.from_buffer(value))
         except (TypeError, ValueError):  # (read-only)
             return None
-        return at if self._save_memory.covers([at], [slot]) else None
+        return at if self.conn.save_memory.covers([at], [slot]) else None
 
     def _put_batch(self, store: Any, names: list[str], ptrs: list, sizes: list, config: Any
                    ) -> list[int]:

@@ -1,28 +1,35 @@
 """The reads of block objects (:mod:`.mooncake.objects`, whose doc says why
-they are what they are): whole objects when every slot is asked for, else
-byte ranges in a get session - one replica-list query per hit, not one per
-layer.  A mixin of :class:`.mooncake.objects.BlockObjects`."""
+they are what they are) that :class:`.mooncake.MooncakeBackend` hands to
+:class:`RangeReads`: whole objects when every slot is asked for, else byte
+ranges in a get session - one replica-list query per hit, not one per
+layer.  Objects the step planned whole are served by the readers it is
+given (:mod:`.mooncake.whole`, :mod:`.mooncake.staged`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 from ..base import HEADER_SIZE
 from .staging import MISSING
 from .staging import slot_value as _value
-from .whole import WholeObjects
 
 #: a get session's cached replica lists are dropped after this long (the
 #: read lease they came with is ``lease_ttl_ms``, 10 s in mooncake-local)
 SESSION_SECONDS = 5.0
 
 
-class ObjectReads(WholeObjects):
-    _sessions: dict[str, tuple[float, set[int]]]
-    _session_lock: Any
+class RangeReads:
+    """Reads of located keys (``read``, ``direct``) and the get sessions
+    open for them (``sessions``: object -> (start, slots left))."""
 
-    # -- reads -----------------------------------------------------------------
+    def __init__(self, conn: Any, cfg: Any, calls: Any, whole: Any, staged: Any) -> None:
+        self.conn, self.cfg, self.calls = conn, cfg, calls
+        self.whole, self.staged = whole, staged
+        self.sessions: dict[str, tuple[float, set[int]]] = {}
+        self._session_lock = threading.Lock()
+
     def _end_sessions(self, store: Any, names: list[str]) -> None:
         if names:
             try:
@@ -37,18 +44,18 @@ class ObjectReads(WholeObjects):
         now = time.monotonic()
         out: dict[str, int] = {}
         with self._session_lock:
-            stale = [o for o, (t, _) in self._sessions.items() if now - t > SESSION_SECONDS]
+            stale = [o for o, (t, _) in self.sessions.items() if now - t > SESSION_SECONDS]
             for o in stale:
-                del self._sessions[o]
+                del self.sessions[o]
             self._end_sessions(store, stale)
-            start = [o for o in want if o not in self._sessions]
+            start = [o for o in want if o not in self.sessions]
             if start:
                 rcs = store.batch_get_session_start(start)
-                self._check(rcs, "get")
+                self.conn.check(rcs, "get")
                 self.calls["get_sessions"] += 1
                 for o, rc in zip(start, rcs):
                     if rc == 0:
-                        self._sessions[o] = (now, set(range(n_slots[o])))
+                        self.sessions[o] = (now, set(range(n_slots[o])))
                     else:
                         out[o] = rc
             for o in want:
@@ -59,16 +66,16 @@ class ObjectReads(WholeObjects):
         ended = []
         with self._session_lock:
             for o, slots in read.items():
-                entry = self._sessions.get(o)
+                entry = self.sessions.get(o)
                 if entry is not None:
                     entry[1].difference_update(slots)
                     if not entry[1]:
-                        del self._sessions[o]
+                        del self.sessions[o]
                         ended.append(o)
         self._end_sessions(store, ended)
 
-    def _read_objects(self, store: Any, keys: list[bytes], where: dict[int, tuple],
-                      consume, sizes: list[int] | None) -> None:
+    def read(self, store: Any, keys: list[bytes], where: dict[int, tuple],
+             consume, sizes: list[int] | None) -> None:
         """Read the located keys ``where`` (index -> (layout, object, slot,
         slots)): whole objects when every slot is asked for, else ranges in a
         get session; ``consume(i, key, value or None)``."""
@@ -79,21 +86,21 @@ class ObjectReads(WholeObjects):
                  if len({where[i][2] for i in idx}) == where[idx[0]][3]]
         ranged = [o for o in by_obj if o not in set(whole)]
         if ranged and self.cfg.client_address:  # (no get sessions: mooncake.staged)
-            left = self._read_staged(store, keys, where, consume, ranged, by_obj)
+            left = self.staged.read(store, keys, where, consume, ranged, by_obj)
             by_obj.update(left)
             ranged = list(left)
-        staging = self._staging
+        staging = self.conn.staging
         with staging.region() as region:
             if whole:
                 total = [where[by_obj[o][0]][3] * where[by_obj[o][0]][0].slot for o in whole]
                 for a, b, ptrs in staging.runs(region, total):
                     rcs = store.batch_get_into(whole[a:b], ptrs, total[a:b])
-                    self._check(rcs, "get")
+                    self.conn.check(rcs, "get")
                     for o, ptr, rc, size in zip(whole[a:b], ptrs, rcs, total[a:b]):
                         for i in by_obj[o]:
                             lay, slot = where[i][0], where[i][2]
                             if rc != size:
-                                self._failed(rc, keys[i])
+                                self.conn.failed(rc, keys[i])
                                 consume(i, keys[i], None)
                             else:
                                 consume(i, keys[i], _value(staging.view(ptr + slot * lay.slot,
@@ -109,7 +116,7 @@ class ObjectReads(WholeObjects):
             for o in ranged:
                 if started[o] != 0:
                     for i in by_obj[o]:
-                        self._failed(started[o], keys[i])
+                        self.conn.failed(started[o], keys[i])
                         consume(i, keys[i], None)
             live = [o for o in ranged if started[o] == 0]
             flat = [i for o in live for i in by_obj[o]]
@@ -124,13 +131,13 @@ class ObjectReads(WholeObjects):
                     objs, [[at[i][0] for i in g] for g in groups],
                     [[at[i][1] for i in g] for g in groups],
                     [[where[i][2] * where[i][0].slot for i in g] for g in groups])
-                self._check(rcs, "get")
+                self.conn.check(rcs, "get")
                 self.calls["ranged_gets"] += 1
                 for g, rc in zip(groups, rcs):
                     ok = rc == sum(at[i][1] for i in g)
                     for i in g:
                         if not ok:
-                            self._failed(rc, keys[i])
+                            self.conn.failed(rc, keys[i])
                         consume(i, keys[i], _value(staging.view(*at[i])) if ok else None)
         self._done_reading(store, want)
 
@@ -140,7 +147,7 @@ class ObjectReads(WholeObjects):
         """Ranges without a get session (``get_into_ranges``: a same-node
         client, whose ``batch_get_session_start`` answers -600): the master is
         asked once per object and call."""
-        staging = self._staging
+        staging = self.conn.staging
         flat = [i for o in ranged for i in by_obj[o]]
         lens = [min(where[i][0].slot, sizes[i] if sizes else where[i][0].slot) for i in flat]
         for a, b, ptrs in staging.runs(region, lens):
@@ -154,19 +161,19 @@ class ObjectReads(WholeObjects):
                 [[[at[i][1] for i in g] for g in groups]])[0]
             self.calls["ranged_gets"] += 1
             for g, rcs in zip(groups, got):
-                self._check(rcs, "get")
+                self.conn.check(rcs, "get")
                 for i, rc in zip(g, rcs):
                     ok = rc == at[i][1]
                     if not ok:
-                        self._failed(rc, keys[i])
+                        self.conn.failed(rc, keys[i])
                     consume(i, keys[i], _value(staging.view(*at[i])) if ok else None)
 
-    def _direct_objects(self, store: Any, keys: list[bytes], where: list[tuple],
-                        ptrs: list[int], lengths: list[int]) -> list[bytes | None]:
+    def direct(self, store: Any, keys: list[bytes], where: list[tuple],
+               ptrs: list[int], lengths: list[int]) -> list[bytes | None]:
         """Zero-copy ranges: each slot's header into the staging region, its
         payload straight into the page (in a get session)."""
         out: list[bytes | None] = [None] * len(keys)
-        left = (self._direct_whole(store, keys, where, ptrs, out) if self._plan
+        left = (self.whole.direct(store, keys, where, ptrs, out) if self.whole.plan
                 else range(len(keys)))  # (whole objects: mooncake.whole)
         by_obj: dict[str, list[int]] = {}
         for i in left:
@@ -176,7 +183,7 @@ class ObjectReads(WholeObjects):
                    if by_obj else {})
         live = [o for o in by_obj if started[o] == 0]
         flat = [i for o in live for i in by_obj[o]]
-        staging = self._staging
+        staging = self.conn.staging
         with staging.region() as region:
             for a, b, heads in staging.runs(region, [HEADER_SIZE] * len(flat)):
                 chunk = flat[a:b]
@@ -189,7 +196,7 @@ class ObjectReads(WholeObjects):
                     [[x for i in g for x in (where[i][2] * where[i][0].slot,
                                              where[i][2] * where[i][0].slot + HEADER_SIZE)]
                      for g in groups])
-                self._check(rcs, "get")
+                self.conn.check(rcs, "get")
                 self.calls["ranged_gets"] += 1
                 for g, rc in zip(groups, rcs):
                     ok = rc == sum(HEADER_SIZE + lengths[i] for i in g)
@@ -197,11 +204,11 @@ class ObjectReads(WholeObjects):
                         if ok:
                             out[i] = bytes(staging.view(head[i], HEADER_SIZE))
                         else:
-                            self._failed(rc, keys[i])
+                            self.conn.failed(rc, keys[i])
         for o in by_obj:
             if started[o] != 0 and started[o] != MISSING:
                 for i in by_obj[o]:
-                    self._failed(started[o], keys[i])
+                    self.conn.failed(started[o], keys[i])
         self._done_reading(store, want)
         return out
 

@@ -1,6 +1,7 @@
 """Block objects through a same-node client (``client_address``): whole
-objects, a staging region at a time.  A mixin of
-:class:`.mooncake.whole.WholeObjects`.
+objects, a staging region at a time.  :class:`StagedReads`, which
+:class:`.mooncake.MooncakeBackend` holds and its ranged reads
+(:mod:`.mooncake.ranges`) hand planned objects to.
 
 Such a client has no get sessions (``batch_get_session_start`` answers
 -600), its ranged reads (``get_into_ranges``) ask the master once per object
@@ -10,20 +11,20 @@ page.  So the first layer's read of a step takes every planned object of
 the step (:meth:`plan_loads`) whole, in batches of ``batch_get_into`` of at
 most a staging region each (one master query per batch), and copies each slot's
 payload straight into its layer's page, keeping the slot's header; every
-layer then gets its headers (:meth:`read_direct`) and checks its pages in
-place, as after a zero-copy read.  Up to three batches are read at once,
-each into a region of its own (when free) by a thread that copies it into
-the pages as soon as it arrives, whichever batch the holder finishes first
-(it serves them one after another, not in the order asked): the holder's
-copy of one batch and ours of another overlap.
+layer then gets its headers (the backend's ``read_direct``) and checks its
+pages in place, as after a zero-copy read.  Up to three batches are read
+at once, each into a region of its own (when free) by a thread that copies
+it into the pages as soon as it arrives, whichever batch the holder
+finishes first (it serves them one after another, not in the order asked):
+the holder's copy of one batch and ours of another overlap.
 
 Each slot is served once (its page holds this step's bytes only until the
 step's compute moves on); a later read of it reads again.  The price is
 the layer overlap: the first layer waits for the whole step.
 A slot whose page cannot take a direct copy (several pages per key, or a
-page that is not plain host memory) keeps a copy of its value for
-:meth:`read_many`; an object larger than a region, or a key not planned,
-is read as ranges (``get_into_ranges``).
+page that is not plain host memory) keeps a copy of its value for the
+backend's ``read_many``; an object larger than a region, or a key not
+planned, is read as ranges (``get_into_ranges``).
 """
 
 from __future__ import annotations
@@ -43,35 +44,42 @@ STAGE_REGIONS = 3
 MIN_BATCH = 8 << 20
 
 
-class StagedObjects:
-    def _init_staged(self) -> None:
-        self._stage: dict[str, tuple[Any, int]] = {}  # object -> (layout, slots)
+class StagedReads:
+    """The step's planned objects (``stage``), read whole through the
+    staging buffer by up to ``STAGE_REGIONS`` threads, and what each read
+    left for the layers to take."""
+
+    def __init__(self, conn: Any, layouts: Any, cfg: Any, calls: Any) -> None:
+        self.conn, self.layouts, self.cfg, self.calls = conn, layouts, cfg, calls
+        self.stage: dict[str, tuple[Any, int]] = {}  # object -> (layout, slots)
         self._stage_dest: dict[str, dict[int, tuple[int, int] | None]] = {}
-        self._stage_keys: dict[bytes, tuple] = {}  # planned key -> where (_locate)
+        self._stage_keys: dict[bytes, tuple] = {}  # planned key -> where (locate)
         #: read objects -> {slot: its header, or its whole value (no page)}
         #: or the error code of the failed read
         self._staged: dict[str, dict[int, bytes] | int] = {}
         self._kept = 0  # bytes of whole values kept this step
         self._kept_lock = threading.Lock()
         self._stage_pool: cf.ThreadPoolExecutor | None = None
+        self._plan_lock = threading.Lock()
 
-    def _plan_staged(self, tasks: dict[str, list]) -> None:
+    def plan_loads(self, tasks: dict[str, list]) -> None:
         """Record the step's objects and where each slot's page is."""
-        self._stage, self._stage_dest, self._staged, self._kept = {}, {}, {}, 0
-        self._stage_keys = {}
-        for items in tasks.values():
-            for key, dests in items:
-                where = self._locate(key)
-                if where is None:
-                    continue
-                self._stage_keys[key] = where
-                lay, obj, slot, n = where
-                self._stage[obj] = (lay, n)
-                d = dests[0] if len(dests) == 1 else None
-                ok = (d is not None and d.device.type == "cpu" and d.is_contiguous()
-                      and d.element_size() * d.numel() <= lay.slot - HEADER_SIZE)
-                self._stage_dest.setdefault(obj, {})[slot] = (
-                    (d.data_ptr(), d.element_size() * d.numel()) if ok else None)
+        with self._plan_lock:
+            self.stage, self._stage_dest, self._staged, self._kept = {}, {}, {}, 0
+            self._stage_keys = {}
+            for items in tasks.values():
+                for key, dests in items:
+                    where = self.layouts.locate(key)
+                    if where is None:
+                        continue
+                    self._stage_keys[key] = where
+                    lay, obj, slot, n = where
+                    self.stage[obj] = (lay, n)
+                    d = dests[0] if len(dests) == 1 else None
+                    ok = (d is not None and d.device.type == "cpu" and d.is_contiguous()
+                          and d.element_size() * d.numel() <= lay.slot - HEADER_SIZE)
+                    self._stage_dest.setdefault(obj, {})[slot] = (
+                        (d.data_ptr(), d.element_size() * d.numel()) if ok else None)
 
     def _stage_threads(self) -> cf.ThreadPoolExecutor:
         if self._stage_pool is None:
@@ -81,17 +89,17 @@ class StagedObjects:
 
     def _object_bytes(self, obj: str) -> int:
         """A planned object's size: its slots, header and page each."""
-        lay, n = self._stage[obj]
+        lay, n = self.stage[obj]
         return lay.slot * n
 
-    def _fill_staged(self, store: Any) -> None:
+    def _fill(self, store: Any) -> None:
         """Read every planned object not read yet (``_plan_lock`` held): up
         to ``STAGE_REGIONS`` batches in flight, each in a region of its own
         and copied out by the thread that read it, the next batch taking the
         region of whichever finished first."""
-        staging = self._staging
+        staging = self.conn.staging
         room = staging.region_size - 64  # (objects start VALUE_OFFSET past a line)
-        todo = [o for o in self._stage if o not in self._staged
+        todo = [o for o in self.stage if o not in self._staged
                 and self._object_bytes(o) <= room]  # (others: ranges)
         if not todo:
             return
@@ -144,7 +152,7 @@ class StagedObjects:
         """Read ``chunk`` into ``region`` and copy it out (a stage thread:
         its copy overlaps the holder's copy of the next chunk)."""
         got = self._get_chunk(store, chunk, region)
-        self._check([rc for _, rc in got], "get")
+        self.conn.check([rc for _, rc in got], "get")
         self._copy_out(chunk, got)
 
     def _get_chunk(self, store: Any, chunk: list[str], region: int) -> list[tuple[int, int]]:
@@ -161,12 +169,12 @@ class StagedObjects:
         """Each read slot's payload into its page, its header kept; a slot
         without a page keeps its whole value (at most ``local_buffer_size``
         bytes of them a step; beyond, ranges)."""
-        view = self._staging.view
+        view = self.conn.staging.view
         for o, (ptr, rc) in zip(chunk, got):
             if rc != 0:
                 self._staged[o] = min(rc, -1)
                 continue
-            lay = self._stage[o][0]
+            lay = self.stage[o][0]
             kept: dict[int, bytes] = {}
             for slot, dest in self._stage_dest[o].items():
                 base = ptr + slot * lay.slot
@@ -181,17 +189,17 @@ class StagedObjects:
                     kept[slot] = bytes(view(base, HEADER_SIZE))
             self._staged[o] = kept
 
-    def _direct_staged(self, store: Any, keys: list[bytes], ptrs: list[int],
-                       lengths: list[int]) -> list[bytes | None] | None:
+    def direct(self, store: Any, keys: list[bytes], ptrs: list[int],
+               lengths: list[int]) -> list[bytes | None] | None:
         """Headers of planned slots whose pages the step's whole reads wrote
         (None: not every key is such a slot; the caller reads them)."""
         known = self._stage_keys
-        where = [known.get(k) or self._locate(k) for k in keys]
+        where = [known.get(k) or self.layouts.locate(k) for k in keys]
         with self._plan_lock:
             for w, p, n in zip(where, ptrs, lengths):
                 if w is None or self._stage_dest.get(w[1], {}).get(w[2]) != (p, n):
                     return None
-            self._fill_staged(store)
+            self._fill(store)
             if any(w[1] not in self._staged for w in where):
                 return None  # (larger than a region)
             if any(not isinstance(self._staged[w[1]], int) and w[2] not in self._staged[w[1]]
@@ -201,20 +209,20 @@ class StagedObjects:
             for k, w in zip(keys, where):
                 got = self._staged[w[1]]
                 if isinstance(got, int):
-                    self._failed(got, k)
+                    self.conn.failed(got, k)
                     out.append(None)
                 else:
                     out.append(got.pop(w[2]))
             return out
 
-    def _read_staged(self, store: Any, keys: list[bytes], where: dict[int, tuple], consume,
-                     ranged: list[str], by_obj: dict[str, list[int]]) -> dict[str, list[int]]:
+    def read(self, store: Any, keys: list[bytes], where: dict[int, tuple], consume,
+             ranged: list[str], by_obj: dict[str, list[int]]) -> dict[str, list[int]]:
         """Serve ``read_many``'s slots of planned objects from the step's
         whole reads; returns the slots left for ranges (object -> indices)."""
         left: dict[str, list[int]] = {}
         with self._plan_lock:
-            if any(o in self._stage for o in ranged):
-                self._fill_staged(store)
+            if any(o in self.stage for o in ranged):
+                self._fill(store)
             for o in ranged:
                 got = self._staged.get(o)
                 for i in by_obj[o]:
@@ -222,7 +230,7 @@ class StagedObjects:
                     if got is None:
                         left.setdefault(o, []).append(i)
                     elif isinstance(got, int):
-                        self._failed(got, keys[i])
+                        self.conn.failed(got, keys[i])
                         consume(i, keys[i], None)
                     elif slot not in got:
                         left.setdefault(o, []).append(i)
@@ -232,3 +240,8 @@ class StagedObjects:
                         ptr, n = self._stage_dest[o][slot]
                         consume(i, keys[i], got.pop(slot) + ctypes.string_at(ptr, n))
         return left
+
+    def close(self) -> None:
+        """Let the reading threads go (the backend closes)."""
+        if self._stage_pool is not None:
+            self._stage_pool.shutdown(wait=False)

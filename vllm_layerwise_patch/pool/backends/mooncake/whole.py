@@ -4,8 +4,9 @@ segment of the pool (``global_segment_size`` > 0): its own saves sit in its
 own segment (``prefer_local_segment``) and Mooncake copies a whole object
 from a local replica at memcpy speed, while a ranged read of the same bytes
 goes through the transfer engine (measured: 3.3-3.8 GB/s whole, 1.9 GB/s as
-ranges, memcpy 3.8 GB/s, 160 KiB pages).  A mixin of
-:class:`.mooncake.objects.BlockObjects`.
+ranges, memcpy 3.8 GB/s, 160 KiB pages).  :class:`WholeReads`, which
+:class:`.mooncake.MooncakeBackend` holds and its ranged reads
+(:mod:`.mooncake.ranges`) hand planned objects to.
 
 The load pipeline announces a step's loads (:meth:`plan_loads`, every
 layer's key -> page); the first layer that reads an object then reads the
@@ -28,28 +29,30 @@ import threading
 from typing import Any
 
 from ..base import HEADER_SIZE
-from .staged import StagedObjects
 
 #: header area: this many headers per step at most (others load as ranges)
 HEADERS = 16384
 
 
-class WholeObjects(StagedObjects):
-    def _init_whole(self) -> None:
-        self._plan: dict[str, dict[int, tuple[int, int]]] = {}  # object -> slot -> (ptr, len)
+class WholeReads:
+    """The step's plan (``plan``: object -> slot -> its page; ``plan_keys``:
+    key -> (object, slot, page address)) and the whole reads that serve it."""
+
+    def __init__(self, conn: Any, layouts: Any, calls: Any) -> None:
+        self.conn, self.layouts, self.calls = conn, layouts, calls
+        self.plan: dict[str, dict[int, tuple[int, int]]] = {}  # object -> slot -> (ptr, len)
         self._plan_slots: dict[str, tuple[Any, int]] = {}  # object -> (layout, slots)
-        self._plan_keys: dict[bytes, tuple[str, int, int]] = {}  # key -> (object, slot, ptr)
+        self.plan_keys: dict[bytes, tuple[str, int, int]] = {}  # key -> (object, slot, ptr)
         self._heads: dict[str, int | None] = {}  # fetched object -> its header area
         self._plan_lock = threading.Lock()
         self._head_buf: Any = None
-        self._init_staged()
 
     def _head_area(self, slot: int) -> int | None:
         """The registered header and scratch area (allocated once)."""
         need = HEADERS * HEADER_SIZE + slot
         if self._head_buf is None or len(self._head_buf) < need:
             buf = (ctypes.c_ubyte * need)()
-            if self._store.register_buffer(ctypes.addressof(buf), need) != 0:
+            if self.conn.store.register_buffer(ctypes.addressof(buf), need) != 0:
                 return None
             self._head_buf = buf
         return ctypes.addressof(self._head_buf)
@@ -57,26 +60,24 @@ class WholeObjects(StagedObjects):
     def plan_loads(self, tasks: dict[str, list]) -> None:
         """A step's loads (layer -> [(key, [page tensor])]): whole objects
         where this process holds a segment and reads into registered pages."""
+        conn = self.conn
         with self._plan_lock:
-            self._plan, self._plan_slots, self._heads, self._plan_keys = {}, {}, {}, {}
-            if self.cfg.client_address:  # (mooncake.staged)
-                self._plan_staged(tasks if self._layouts else {})
-                return
-            if not (self._segment_mounted and self._layouts and self._store is not None):
+            self.plan, self._plan_slots, self._heads, self.plan_keys = {}, {}, {}, {}
+            if not (conn.segment_mounted and self.layouts.known and conn.store is not None):
                 return
             found = []
             for items in tasks.values():
                 for key, dests in items:
-                    where = self._locate(key)
+                    where = self.layouts.locate(key)
                     if where is None or len(dests) != 1 or dests[0].device.type != "cpu":
                         continue
                     found.append((key, where, dests[0].data_ptr(), dests[0].numel()))
-            every = self._memory.covers([f[2] for f in found], [f[3] for f in found])
+            every = conn.memory.covers([f[2] for f in found], [f[3] for f in found])
             for key, (lay, obj, slot, n), ptr, size in found:
-                if every or self._memory.covers([ptr], [size]):
-                    self._plan.setdefault(obj, {})[slot] = (ptr, size)
+                if every or conn.memory.covers([ptr], [size]):
+                    self.plan.setdefault(obj, {})[slot] = (ptr, size)
                     self._plan_slots[obj] = (lay, n)
-                    self._plan_keys[key] = (obj, slot, ptr)
+                    self.plan_keys[key] = (obj, slot, ptr)
 
     def _whole(self, store: Any, objs: list[str]) -> None:
         """Read ``objs`` whole into their planned pages (``_plan_lock`` held)."""
@@ -97,7 +98,7 @@ class WholeObjects(StagedObjects):
             heads[o] = base + used * HEADER_SIZE
             p, s = [], []
             for slot in range(n):
-                page = self._plan[o].get(slot)
+                page = self.plan[o].get(slot)
                 p.append(heads[o] + slot * HEADER_SIZE)
                 s.append(HEADER_SIZE)
                 rest = lay.slot - HEADER_SIZE
@@ -112,34 +113,34 @@ class WholeObjects(StagedObjects):
             sizes.append(s)
             used += n
         rcs = store.batch_get_into_multi_buffers(todo, ptrs, sizes)
-        self._check(rcs, "get")
+        self.conn.check(rcs, "get")
         self.calls["whole_gets"] += 1
         for o, rc in zip(todo, rcs):
             lay, n = self._plan_slots[o]
             self._heads[o] = heads[o] if rc == n * lay.slot else min(rc, -1)
 
-    def _direct_planned(self, store: Any, keys: list[bytes], ptrs: list[int]
-                        ) -> list[bytes | None] | None:
+    def direct_planned(self, store: Any, keys: list[bytes], ptrs: list[int]
+                       ) -> list[bytes | None] | None:
         """Headers of a layer whose every key the step planned into these
         pages (the whole read done by the first such layer), found by key -
         no parsing, no range checks; None: not such a layer (the caller
         takes the general path)."""
-        got = [self._plan_keys.get(k) for k in keys]
+        got = [self.plan_keys.get(k) for k in keys]
         if any(g is None or g[2] != p for g, p in zip(got, ptrs)):
             return None
         out: list[bytes | None] = [None] * len(keys)
         where = [(None, obj, slot, None) for obj, slot, _ in got]
-        if self._direct_whole(store, keys, where, ptrs, out):
+        if self.direct(store, keys, where, ptrs, out):
             return None  # (an object read as ranges)
         return out
 
-    def _direct_whole(self, store: Any, keys: list[bytes], where: list[tuple],
-                      ptrs: list[int], out: list) -> list[int]:
+    def direct(self, store: Any, keys: list[bytes], where: list[tuple],
+               ptrs: list[int], out: list) -> list[int]:
         """Serve the slots of planned objects (their pages written by a whole
         read); returns the indices left for ranged reads."""
         with self._plan_lock:
             mine = [i for i, w in enumerate(where)
-                    if self._plan.get(w[1], {}).get(w[2], (None,))[0] == ptrs[i]]
+                    if self.plan.get(w[1], {}).get(w[2], (None,))[0] == ptrs[i]]
             self._whole(store, list(dict.fromkeys(where[i][1] for i in mine)))
             left, planned = [], set(mine)
             for i in range(len(keys)):
@@ -147,7 +148,7 @@ class WholeObjects(StagedObjects):
                 if head is None:
                     left.append(i)
                 elif head < 0:  # the whole read failed: this page's load fails
-                    self._failed(head, keys[i])
+                    self.conn.failed(head, keys[i])
                 else:
                     at = head + where[i][2] * HEADER_SIZE
                     out[i] = bytes((ctypes.c_ubyte * HEADER_SIZE).from_address(at))
