@@ -68,6 +68,9 @@ class Faults:
     #: fault injection: the Mooncake backend's first this many block-object
     #: puts of a process report a transfer failure (-800) without writing
     mooncake_put_transfer_fails: int = 0
+    #: the hybrid-block-size guard holds only where alignment ran (the rule
+    #: before the engine-core fix: the engine core's block size is reset)
+    block_size_guard_alignment_only: bool = False
 
     @property
     def active(self) -> list[str]:

@@ -71,6 +71,8 @@ def _config_dict(p: dict) -> dict:
     layer_types = ["linear_attention"] * n_lin + ["full_attention"] * p["num_full_attention_layers"]
     if p["full_attention_last"] is False:
         layer_types = list(reversed(layer_types))
+    if p.get("layer_types"):  # an explicit order (real checkpoints interleave)
+        layer_types = list(p["layer_types"])
     cfg = {
         "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",
@@ -258,11 +260,16 @@ def build_tiny_qwen3_next(
     max_position_embeddings: int = 8192,
     tokenizer: bool = True,
     mtp: bool = False,
+    layer_types: list[str] | None = None,
 ) -> pathlib.Path:
     """Write (or reuse) a tiny hybrid Qwen3-Next model directory; return its path.
 
     ``num_layers - num_full_attention_layers`` GDN layers come first, then the
-    full-attention layers (``full_attention_last=False`` reverses the order).
+    full-attention layers (``full_attention_last=False`` reverses the order);
+    ``layer_types`` (``num_layers`` entries of ``"linear_attention"`` /
+    ``"full_attention"``) gives any other order, interleaved as real
+    Qwen3-Next and Qwen3.5 checkpoints are (it sets
+    ``num_full_attention_layers``).
     Deterministic: the same parameters and ``seed`` give byte-identical files.
     If ``path`` already holds a model built with the same parameters (checked
     through ``tiny_model_marker.json``), nothing is rewritten. ``path=None``
@@ -302,6 +309,14 @@ def build_tiny_qwen3_next(
     }
     if mtp:  # only when set: the mtp=False marker and cache dir stay as before
         params["mtp"] = True
+    if layer_types is not None:  # (likewise)
+        if len(layer_types) != num_layers or not set(layer_types) <= {
+                "linear_attention", "full_attention"}:
+            raise ValueError("layer_types: num_layers entries, each 'linear_attention' "
+                             "or 'full_attention'")
+        params["layer_types"] = list(layer_types)
+        num_full_attention_layers = layer_types.count("full_attention")
+        params["num_full_attention_layers"] = num_full_attention_layers
     if not 0 <= num_full_attention_layers <= num_layers:
         raise ValueError("num_full_attention_layers must be in [0, num_layers]")
     if vocab_size <= _FIRST_ORDINARY_ID:
