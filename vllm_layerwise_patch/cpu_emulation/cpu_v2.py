@@ -20,9 +20,8 @@ on CPU) runs too, on a tiny model whose head counts divide by the TP size
 (``build_tiny_qwen3_next(linear_num_key_heads=2, linear_num_value_heads=4)``
 keeps each rank's shapes those of the default model at TP=1). The shim keeps
 the ``torch.compile`` helper TP>1 reaches eager (see
-:func:`install_cpu_v2_shim`); add ``cpu_v2_env(tensor_parallel_size=2)`` to
-the environment of the process that creates the engine (thread binding:
-without it TP>1 does not start on a single-NUMA host).
+:func:`install_cpu_v2_shim`), and its thread settings (one unbound OpenMP
+thread per worker, :func:`cpu_v2_env`) let TP>1 start on a single-NUMA host.
 
 ``vllm serve`` (and ``vllm bench serve``) also need, in every process, package
 metadata named ``vllm``: the CLI asks ``importlib.metadata.version("vllm")``
@@ -82,10 +81,10 @@ _installed = False
 # ``-cc.mode=none``, what ``enforce_eager`` already implies). With compilation
 # on they still work (inductor's C++ backend, needs a C compiler, writes its
 # cache under the temp dir) but cost ~6-15 s per TP>1 engine on 2 cores.
-_SHIM_DEFAULTS = {"TORCH_COMPILE_DISABLE": "1"}
-
-# What a tensor-parallel engine's CPU workers need (see :func:`cpu_v2_env`).
-_TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+# ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS=1``: one OpenMP
+# thread per worker, whatever the engine's configuration (see cpu_v2_env).
+_SHIM_DEFAULTS = {"TORCH_COMPILE_DISABLE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                  "OMP_NUM_THREADS": "1"}
 
 
 def cpu_v2_env(tensor_parallel_size: int = 1) -> dict[str, str]:
@@ -96,25 +95,28 @@ def cpu_v2_env(tensor_parallel_size: int = 1) -> dict[str, str]:
     runner. Pass these to subprocesses you start yourself (plus
     ``VLLM_LAYERWISE_PATCH_CPU_V2=1`` when the package bootstrap is installed).
 
-    Also returns the shim's own default ``TORCH_COMPILE_DISABLE=1``.
+    Also returns the shim's own defaults (set in every process with
+    ``VLLM_LAYERWISE_PATCH_CPU_V2=1``; an explicit value wins), the same for
+    every ``tensor_parallel_size``:
 
-    ``tensor_parallel_size > 1`` adds what the CPU workers of the
-    multiprocessing executor need; put these in the environment of the process
-    that creates the engine (engine core and workers inherit it), not in the
-    shim (they would change TP=1 engines too):
-
-    - ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's default ``auto`` binds one
-      NUMA node per rank and refuses to start TP>1 on a host with fewer nodes
-      than ranks;
-    - ``OMP_NUM_THREADS=1``: unbound workers keep torch's default of one
-      thread per core (vLLM's CPU worker refuses to lower it), so the ranks
-      oversubscribe the cores (measured on 2 cores: a 2000-token prefill
-      ~12 s instead of ~2.5 s).
+    - ``TORCH_COMPILE_DISABLE=1`` (see ``_SHIM_DEFAULTS``);
+    - ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS=1``: one
+      OpenMP thread per worker.  vLLM's default ``auto`` binding reserves one
+      more core per worker when a ``kv_transfer_config`` is set
+      (``vllm.utils.ompmultiprocessing``); on a small machine the worker then
+      runs with another thread count than the same engine without a
+      connector, and bf16 matmuls summed over other thread splits give other
+      logprobs (measured on 2 cores: 2 threads with the connector, 1 without,
+      tokens apart from the 12th): a comparison of the two would see the
+      platform, not the connector.  ``auto`` also binds one NUMA node per
+      rank and refuses TP>1 on a host with fewer nodes than ranks, and
+      unbound workers keep torch's default of one thread per core, so TP
+      ranks oversubscribe the cores (a 2000-token prefill ~12 s instead of
+      ~2.5 s on 2 cores).
     """
+    del tensor_parallel_size  # (the same for every size now)
     env = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
     env.update(_SHIM_DEFAULTS)
-    if tensor_parallel_size > 1:
-        env.update(_TP_ENV)
     return env
 
 
