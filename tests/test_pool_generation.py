@@ -149,7 +149,7 @@ def test_pools_of_builds_with_another_value_header_are_other_namespaces():
     # now part of the format every namespace covers.
     from vllm_layerwise_patch.pool.backends.base import VERSION
     from vllm_layerwise_patch.pool.identity.namespace import namespace_description
-    from vllm_layerwise_patch.pool.keys import FORMAT
+    from vllm_layerwise_patch.pool.identity.namespace import FORMAT
     from vllm_layerwise_patch.pool.layout import PoolLayout
 
     layout = PoolLayout(kinds=(ATTN,), block_size=4, hash_block_size=4,

@@ -31,17 +31,10 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .backends.base import VERSION as VALUE_VERSION
-
 #: the key layout's version (5: Mooncake keeps a block's pages of one kind on
 #: one rank as one object, :mod:`.backends.mooncake.objects`; entries of 4
 #: are under other namespaces and never read)
 KEY_VERSION = 5
-#: part of every namespace (:mod:`.identity`): builds that disagree on the
-#: keys or on the value header never share entries, so never delete each
-#: other's groups (header version 3 once came under key format 3, the same
-#: namespaces as version 2)
-FORMAT = (KEY_VERSION, VALUE_VERSION)
 ATTN, STATE = "attn", "state"
 KINDS = (ATTN, STATE)
 COMMIT = "commit"

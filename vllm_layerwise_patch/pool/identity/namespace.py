@@ -49,8 +49,14 @@ import logging
 import os
 from typing import Any
 
+from ..backends.base import VERSION as VALUE_VERSION
 from ..config import PoolConfigError
-from ..keys import FORMAT
+from ..keys import KEY_VERSION
+
+#: part of every namespace: builds that disagree on the keys or on the value
+#: header never share entries, so never delete each other's groups (header
+#: version 3 once came under key format 3, the same namespaces as version 2)
+FORMAT = (KEY_VERSION, VALUE_VERSION)
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
