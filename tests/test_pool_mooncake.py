@@ -104,9 +104,9 @@ def test_drafter_markers_are_put_after_their_pages(cluster):
     from vllm_layerwise_patch.pool.keys import is_marker
 
     be = backend(cluster.master_address)
-    calls, real = [], be._upsert
-    be._upsert = lambda store, items: (calls.append([k for k, _ in items]),
-                                       real(store, items))[1]
+    calls, real = [], be.plain.upsert
+    be.plain.upsert = lambda store, items: (calls.append([k for k, _ in items]),
+                                            real(store, items))[1]
     items = [(b"t9/g/commit@17", pack(NS, b"")), (b"t9/g/commit", pack(NS, b"")),
              (b"t9/g/L0@17", pack(NS, b"d" * 100)), (b"t9/g/L0", pack(NS, b"a" * 100))]
     be.put_many(items)

@@ -63,13 +63,14 @@ from typing import Any
 from ...config import PREFIX, PoolConfigError
 from ...keys import is_marker
 from ...logs import LogOnce
-from ..base import HEADER_SIZE, Backend, BackendError, PoolFull
+from ..base import Backend, BackendError
 from ..generation import Generation
 from .connection import MooncakeConnection
 from .objects import ObjectLayouts, ObjectWrites
+from .plain import PlainValues
 from .ranges import RangeReads
 from .staged import StagedReads
-from .staging import MISSING, NO_SPACE, TOO_SMALL, BackendUnavailable, describe
+from .staging import BackendUnavailable
 from .whole import WholeReads
 
 logger = logging.getLogger("vllm.layerwise_patch")
@@ -99,8 +100,8 @@ class MooncakeBackend(Backend):
     ``layouts`` (:mod:`.objects`: where block objects' pages live),
     ``writes`` (puts of block objects), the readers ``ranges`` (get
     sessions and byte ranges), ``whole`` (own-segment whole reads) and
-    ``staged`` (same-node staged reads).  Keys that are no block object's
-    page are read and written here; it counts its own stores and removals
+    ``staged`` (same-node staged reads), and ``plain`` (keys that are no
+    block object's page).  It counts its own stores and removals
     (:meth:`generation`)."""
 
     def __init__(self, cfg: Any, *, on_unavailable: str = "recompute") -> None:
@@ -116,6 +117,7 @@ class MooncakeBackend(Backend):
         self.whole = WholeReads(self.conn, self.layouts, self.calls)
         self.staged = StagedReads(self.conn, self.layouts, cfg, self.calls)
         self.ranges = RangeReads(self.conn, cfg, self.calls, self.whole, self.staged)
+        self.plain = PlainValues(self.conn, cfg)
         try:
             self.conn.connect()
         except BackendUnavailable as exc:
@@ -208,21 +210,7 @@ class MooncakeBackend(Backend):
                                lambda j, k, v: consume(rest[j], k, v),
                                None if sizes is None else [sizes[i] for i in rest])
             return
-        names = [k.decode() for k in keys]
-        if sizes is None:  # (callers pass them: the page size is known)
-            sizes = [max(store.get_size(k), 1) for k in names]
-        staging = self.conn.staging
-        with staging.region() as region:
-            for i, j, ptrs in staging.runs(region, sizes):  # one call per region-full
-                rcs = store.batch_get_into(names[i:j], ptrs, sizes[i:j])
-                self.conn.check(rcs, "get")
-                for n, ptr, rc in zip(range(i, j), ptrs, rcs):
-                    if rc >= 0:
-                        consume(n, keys[n], staging.view(ptr, rc))
-                    else:
-                        self.conn.failed(rc, keys[n])
-                        # bigger than the page it should hold: not ours
-                        consume(n, keys[n], b"" if rc == TOO_SMALL else None)
+        self.plain.read(store, keys, consume, sizes)
 
     # -- zero-copy loads and saves -----------------------------------------------
     def register_memory(self, ptr: int, size: int, saves: bool = False) -> bool:
@@ -258,22 +246,7 @@ class MooncakeBackend(Backend):
             return self.ranges.direct(store, keys, where, ptrs, lengths)
         if any(w is not None for w in where):
             return None  # (a mix: read_many sorts it out)
-        names = [k.decode() for k in keys]
-        out: list[bytes | None] = []
-        staging = self.conn.staging
-        with staging.region() as region:
-            for i, j, heads in staging.runs(region, [HEADER_SIZE] * len(keys)):
-                rcs = store.batch_get_into_multi_buffers(
-                    names[i:j], [[h, p] for h, p in zip(heads, ptrs[i:j])],
-                    [[HEADER_SIZE, n] for n in lengths[i:j]])
-                self.conn.check(rcs, "get")
-                for n, head, rc in zip(range(i, j), heads, rcs):
-                    if rc == HEADER_SIZE + lengths[n]:
-                        out.append(bytes(staging.view(head, HEADER_SIZE)))
-                    else:  # missing, or a value of another size: not this page's
-                        self.conn.failed(rc, keys[n])
-                        out.append(None if rc == MISSING else b"")
-        return out
+        return self.plain.direct(store, keys, ptrs, lengths)
 
     def get_many(self, keys: list[bytes], sizes: list[int] | None = None) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(keys)
@@ -285,29 +258,6 @@ class MooncakeBackend(Backend):
         return out
 
     # -- writes ----------------------------------------------------------------
-    def _upsert(self, store: Any, items: list[tuple[bytes, bytes]]) -> None:
-        from mooncake.store import ReplicateConfig
-
-        config = ReplicateConfig()
-        config.replica_num = self.cfg.replica_num
-        if self.conn.local_segment:  # (Mooncake falls back to other segments when full)
-            config.preferred_segment = self.conn.local_segment
-        staging = self.conn.staging
-        with staging.region() as region:
-            for i, j, ptrs in staging.runs(region, [len(v) for _, v in items], PoolFull):
-                for (_, v), ptr in zip(items[i:j], ptrs):
-                    staging.view(ptr, len(v))[:] = v
-                batch = items[i:j]
-                rcs = store.batch_upsert_from([k.decode() for k, _ in batch], ptrs,
-                                              [len(v) for _, v in batch], config)
-                self.conn.check(rcs, "put")
-                bad = [(k, rc) for (k, _), rc in zip(batch, rcs) if rc != 0]
-                if bad:
-                    key, rc = bad[0]
-                    if rc == NO_SPACE:
-                        raise PoolFull(f"Mooncake put of {key!r}: {describe(rc)}")
-                    raise BackendError(f"Mooncake put of {key!r}: {describe(rc)}")
-
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         """Block objects of a layout (:meth:`set_layout`) as whole objects;
         other keys: pages first, commit markers (a drafter's ``commit@<t>``
@@ -321,8 +271,8 @@ class MooncakeBackend(Backend):
                 self.writes.put(store, objects)
             pages = [(k, v) for k, v in items if not is_marker(k)]
             markers = [(k, v) for k, v in items if is_marker(k)]
-            self._upsert(store, pages)
-            self._upsert(store, markers)
+            self.plain.upsert(store, pages)
+            self.plain.upsert(store, markers)
 
     def delete(self, keys: Iterable[bytes]) -> None:
         """(A block object's page: the whole object.)"""
