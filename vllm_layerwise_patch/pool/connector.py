@@ -1,6 +1,7 @@
 """LayerwisePoolConnector: a layerwise, hybrid-capable (SupportsHMA) KV
 connector backed by an external pool.  This file is the facade; the
-scheduler side lives in ``scheduler.py``, the worker side in ``worker.py``.
+scheduler side lives in ``scheduler/`` (``planner.py``), the worker side in
+``worker/`` (``forward.py``).
 
     --kv-transfer-config '{"kv_connector": "LayerwisePoolConnector",
       "kv_connector_module_path": "vllm_layerwise_patch.pool",
@@ -283,6 +284,11 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._sched is not None:
             self._sched.update_connector_output(connector_output)
+
+    def blocks_to_evict(self, invalid_block_ids: set[int]) -> set[int]:
+        """(``hybrid-load-recompute``) The blocks of failed loads and every
+        block computed from them, held by running requests or not."""
+        return self._sched.blocks_to_evict(invalid_block_ids) if self._sched else set()
 
     def request_finished(self, request: Any, block_ids: list[int]):
         self._adapters.forget(request)

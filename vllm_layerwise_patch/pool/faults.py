@@ -71,6 +71,15 @@ class Faults:
     #: the hybrid-block-size guard holds only where alignment ran (the rule
     #: before the engine-core fix: the engine core's block size is reset)
     block_size_guard_alignment_only: bool = False
+    #: saves cover only the blocks a step completes whose hash is known then
+    #: (the planning before the fix: decode blocks are lost under async scheduling)
+    save_step_blocks_only: bool = False
+    #: a failed load's blocks leave vLLM's prefix cache only when a running
+    #: request holds them (the rule before the fix)
+    evict_running_holders_only: bool = False
+    #: the scheduler forgets an ended request at its next step (the rule
+    #: before the fix: a failure reported later maps to nobody)
+    forget_ended_at_once: bool = False
 
     @property
     def active(self) -> list[str]:

@@ -76,6 +76,10 @@ METRICS: tuple[Metric, ...] = (
            "filesystem is full."),
     Metric("failed_saves", "counter", "save_failures",
            "Saves that failed with a backend error (their blocks are not stored)."),
+    Metric("refused_saves", "counter", "saves_tainted",
+           "Block saves (a block's attention pages, or a boundary state) refused because "
+           "they may be computed from a failed load's pages (the worker's quarantine, "
+           "until the scheduler has taken the failure; counted by each TP rank)."),
     Metric("put_skipped", "counter", "put_skipped",
            "Mooncake block objects given up: their put failed with a transfer error "
            "(-800, e.g. a segment holder just restarted) and again when retried once; "

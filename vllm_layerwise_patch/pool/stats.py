@@ -21,6 +21,7 @@ COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
             "bytes_saved", "save_seconds", "blocks_saved", "load_failures",
             "saves_skipped", "save_failures", "evictions", "save_write_seconds",
             "save_cpu_seconds", "save_hook_seconds", "precopy_seconds", "put_skipped",
+            "saves_tainted",
             # the scheduler's: once per engine whatever the TP size
             "lookup_hit_tokens", "lookup_hit_blocks", "shared_load_waits",
             "shared_load_timeouts")
@@ -88,6 +89,7 @@ class PoolStats(KVConnectorStats):
             "Requests with failed loads": int(d["load_failures"]),
             "Saves skipped (pool full)": int(d["saves_skipped"]),
             "Failed saves": int(d["save_failures"]),
+            "Saves refused after a failed load": int(d["saves_tainted"]),
             "Block objects given up (transfer failed twice)": int(d["put_skipped"]),
             "Blocks evicted": int(d["evictions"]),
             "Lookups waiting on a shared load": int(d["shared_load_waits"]),

@@ -110,12 +110,14 @@ def _serve(llm: Any, phase: dict[str, Any], sp: Any, spec: dict[str, Any], probe
         if probe is not None:
             probe.clear()
         try:
-            o = llm.generate([prompt], sp, use_tqdm=False)[0]
+            got = llm.generate([prompt], sp, use_tqdm=False)
+            if not got:
+                raise RuntimeError("no output: the request was aborted")
         except Exception as exc:  # noqa: BLE001 - does the engine go on?
             out.append({"tokens": [], "cached": 0, "logprobs": [], "drafts": None,
                         "error": f"{type(exc).__name__}: {exc}"})
             continue
-        out.append(_output(o, probe, max_tokens))
+        out.append(_output(got[0], probe, max_tokens))
     return out
 
 
@@ -194,6 +196,11 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         return {"out": out, "error": f"{type(exc).__name__}: {exc}"}
     if spec.get("fill"):
         _fill(*spec["fill"])
+    interrupted = None
+    if spec.get("interrupt_loading"):  # (in-process engine core)
+        from .engine_interrupts import install
+
+        interrupted = install(llm, spec["interrupt_loading"])
     phases = spec.get("phases") or [{"prompts": spec["prompts"], "batch": spec.get("batch")}]
     seconds = []
     for i, phase in enumerate(phases):
@@ -208,7 +215,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         llm.llm_engine.do_log_stats()  # flush vLLM's stats log (KV Transfer metrics)
     except Exception:  # noqa: BLE001
         pass
-    return engine_controls.report(spec, {"out": out, "phase_seconds": seconds, "error": None})
+    return engine_controls.report(spec, {"out": out, "phase_seconds": seconds, "error": None,
+                                         "interrupted": interrupted})
 
 
 if __name__ == "__main__":

@@ -48,6 +48,10 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
                  ``Loaded (bytes)``, the bytes the workers loaded, unrounded;
 ``weights_trace`` the result's ``weights_trace``: ``pool.weights.TRACE`` and
                  when vLLM read the weights files (``engine_controls``);
+``interrupt_loading`` ``"abort"`` / ``"preempt"``: the requests of the
+                 first step that loads from the pool end before that step's
+                 output is processed (:mod:`.engine_interrupts`; the
+                 result's ``interrupted`` names them);
 ``startup``      instead of prompts, ``{name: kv_connector_extra_config}``:
                  start one engine per config in this process and report each
                  start's error (None when it started).

@@ -30,27 +30,21 @@ pool.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
 from ..faults import pause_here
-from .inflight import InflightLoads
 from ..keys import ATTN, STATE, group_key
 from ..layout import PoolLayout
-from .lookup import PoolLookup
-from ..metadata import AttnSave, LoadSpec, PoolMetadata, SaveSpec, load_groups
-from .pins import Pins
+from ..metadata import LoadSpec, PoolMetadata, load_groups
 from ..side import PoolSide, kv_roles
+from .failures import StepRecords, steps_in_flight
+from .inflight import InflightLoads
+from .lookup import PoolLookup
+from .pins import Pins
+from .saves import SavePlanner, Tracked
 
 logger = logging.getLogger("vllm.layerwise_patch")
-
-
-@dataclasses.dataclass
-class _Tracked:
-    request: Any
-    blocks: list[list[int]]  # per group, as the worker's block table holds them
-    loaded_end: int = 0
 
 
 class PoolScheduler:
@@ -63,14 +57,14 @@ class PoolScheduler:
         self._pending: dict[str, int] = {}  # req_id -> hit blocks (lookup -> alloc)
         self.pins = Pins(backend, config.pin_seconds)
         self._failures_seen: list[str] = []  # for the workers (PoolMetadata)
-        self._issued: dict[str, set[int]] = {}  # req_id -> block ids its loads fill
-        # finished since the last step: vLLM finishes a request whose load
-        # failed (policy "fail") before it hands the connector that step's
-        # output, which still names the request's blocks
-        self._gone: set[str] = set()
+        # the loads of the steps whose outputs are pending, the tables of
+        # requests that ended meanwhile (a failure reported later still maps)
+        self.records = StepRecords(steps_in_flight(vllm_config),
+                                   forget_ended_at_once=self.faults.forget_ended_at_once)
         self._load_failed: set[str] = set()  # requests recomputing after a failed load
         self._loads: list[LoadSpec] = []
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
+        self.saves = SavePlanner(layout, self.hits, self.faults)
         self._report_errors: bool | None = None
         ktc, self.loads_on, self.saves_on = kv_roles(vllm_config)
         # vLLM plans step N+1 before it processes step N's output: a failed
@@ -130,8 +124,7 @@ class PoolScheduler:
         self.stats["lookups"] += 1
         self.stats["query_tokens"] += max(0, request.num_tokens - num_computed_tokens)
         rid = request.request_id
-        tracked = self._tracked.setdefault(rid, _Tracked(request, []))
-        tracked.loaded_end = 0  # (again, after a preemption)
+        self._tracked.setdefault(rid, Tracked(request, [])).looked_up()
         self._pending.pop(rid, None)
         if rid in self._load_failed or not self.loads_on or not self._reads_cache(request):
             self.pins.release(rid)
@@ -181,17 +174,15 @@ class PoolScheduler:
             # each worker releases its rank's pins once this load has read the
             # pool: a later lookup of the request (after a preemption) pins anew
             self.pins.handed_over(request.request_id)
-        self._issued[request.request_id] = {b for ids in attn.values() for b in ids} | set(
-            mamba.values())
+        self.records.load_issued(request.request_id, {b for ids in attn.values()
+                                                      for b in ids} | set(mamba.values()))
         self.stats["hit_tokens"] += num_external_tokens
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request, []))
+        tracked = self._tracked.setdefault(request.request_id, Tracked(request, []))
         tracked.loaded_end = k
 
     # -- per-step metadata -----------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> PoolMetadata:
-        for rid in self._gone:
-            self._issued.pop(rid, None)
-        self._gone.clear()
+        self.records.next_step()
         B = self.block_size
         steps: list[tuple[str, int, int]] = []  # (req_id, computed before, scheduled)
         for new in scheduler_output.scheduled_new_reqs:
@@ -227,7 +218,7 @@ class PoolScheduler:
         try:
             if self.saves_on:
                 self.hits.note_generation()
-                saves = self._plan_saves(steps)
+                saves = self.saves.plan(steps, self._tracked, self.records.step)
         except Exception as exc:  # noqa: BLE001 - a missed save only costs a hit
             self.log.warning("save-plan-error", "vllm-layerwise-patch pool: planning saves "
                             "failed (%s: %s); this step's blocks are not stored (further "
@@ -240,48 +231,11 @@ class PoolScheduler:
     def _refresh_pins(self) -> None:
         """Pins of asynchronous loads in flight last until they are done."""
         for rid in self._inflight:
+            self.records.still_loading(rid)
             try:
                 self.pins.refresh(rid)
             except Exception:  # noqa: BLE001 - pins expire after pin_seconds anyway
                 pass
-
-    def _plan_saves(self, steps: list[tuple[str, int, int]]) -> list[SaveSpec]:
-        B, L = self.block_size, self.layout
-        saves = []
-        for req_id, before, n in steps:
-            if n <= 0:
-                continue
-            t = self._tracked[req_id]
-            hashes = t.request.block_hashes
-            nblocks = L.num_blocks(hashes)
-            after = before + n
-            first = max(before // B, t.loaded_end)
-            done = [j for j in range(first, after // B) if j < nblocks]
-            attn, mamba = [], []
-            if done:
-                names = [L.block_hash(hashes, j) for j in done]
-                tokens = [self.hits.next_token(t.request, j) if self.hits.drafter else None
-                          for j in done]
-                known = [(h, tok) for h, tok in zip(names, tokens) if tok is not None]
-                found = iter(self.hits.draft_present(known) if known else [])
-                drafts = [tok is None or next(found) for tok in tokens]
-                for j, h, tok, present, draft in zip(done, names, tokens,
-                                                     self.hits.present(ATTN, names), drafts):
-                    if not present or (tok is not None and not draft):
-                        attn.append(AttnSave(h, self._ids(t, j, ATTN), tok,
-                                             draft_only=present))
-            if after % B == 0 and L.has_state:
-                j = after // B - 1
-                ids = self._ids(t, j, STATE) if j < nblocks else {}
-                # block 0 is vLLM's null block: no state lives there
-                if j >= t.loaded_end and ids and 0 not in ids.values():
-                    h = L.block_hash(hashes, j)
-                    if not self.hits.present(STATE, [h])[0]:
-                        mamba.append((h, ids))
-            if attn or mamba:
-                reads = sorted({b for ids in t.blocks for b in ids} - {0})
-                saves.append(SaveSpec(req_id, attn, mamba, reads))
-        return saves
 
     def report_load_errors(self) -> bool:
         """vLLM takes block load errors itself for one KV cache group; for
@@ -321,7 +275,7 @@ class PoolScheduler:
                   if rid in self._tracked}
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
-            failed |= {rid for rid, ids in self._issued.items() if ids & invalid}
+            failed |= self.records.failed_requests(set(invalid))
         self._failures_seen += sorted(failed)
         for rid in failed:
             self.shared_loads.ended(rid)
@@ -330,15 +284,19 @@ class PoolScheduler:
             logger.info("vllm-layerwise-patch pool: request %s recomputes without the "
                         "pool after a failed load", rid)
 
-    def _ids(self, t: _Tracked, col: int, kind: str) -> dict[int, int]:
-        return {g: t.blocks[g][col] for g in self.layout.groups(kind)
-                if col < len(t.blocks[g])}
+    def blocks_to_evict(self, invalid_block_ids: set[int]) -> set[int]:
+        """The blocks of failed loads and every block computed from them, by
+        running and ended requests alike (``hybrid-load-recompute`` evicts
+        them from vLLM's prefix cache)."""
+        return self.records.derived_blocks(
+            invalid_block_ids, {rid: t.blocks for rid, t in self._tracked.items()})
 
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
-        self._tracked.pop(rid, None)
+        t = self._tracked.pop(rid, None)
+        if t is not None:
+            self.records.request_ended(rid, t.blocks)
         self._pending.pop(rid, None)
-        self._gone.add(rid)
         self._load_failed.discard(rid)
         self.shared_loads.forget(rid)
         if rid in self._inflight:  # its load still reads the pool: keep the pins

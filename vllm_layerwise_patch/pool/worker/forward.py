@@ -189,6 +189,8 @@ class PoolWorker:
         saves, tainted = self.quarantine.split(meta.saves)
         if self._copy_missing():
             saves, tainted = [], meta.saves
+        if tainted:
+            self.stats.add(saves_tainted=sum(len(s.attn) + len(s.mamba) for s in tainted))
         self.saves.finish_step(meta, saves, tainted, bulk=not self.layerwise)
         self._hook_seconds += time.perf_counter() - t0
         self.saves.flush_events()
