@@ -17,6 +17,7 @@ def _prompt(spec: dict[str, Any]) -> list[int]:
     from .tiny_model import tiny_prompt
 
     p = tiny_prompt(*spec["prefix"]) if spec.get("prefix") else []
+    p = p + list(spec.get("tokens") or [])  # (e.g. a reply, for the next turn)
     if spec.get("suffix"):
         p = p + tiny_prompt(*spec["suffix"])
     return p
@@ -206,7 +207,10 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     for i, phase in enumerate(phases):
         _before_phase(phase)
         t0 = time.perf_counter()
-        served_now = _serve(llm, phase, sp, spec, probe, max_tokens)
+        n = phase.get("max_tokens", max_tokens)  # (a phase may ask for more)
+        phase_sp = sp if n == max_tokens else SamplingParams(
+            temperature=0, max_tokens=n, ignore_eos=True, logprobs=sp.logprobs)
+        served_now = _serve(llm, phase, phase_sp, spec, probe, n)
         seconds.append(time.perf_counter() - t0)
         for o in served_now:
             o["phase"] = i

@@ -4,10 +4,12 @@ core only): the test harness drives vLLM's own scheduler code, in its own
 order.
 
 ``"abort"``: the client aborts the loading requests while their step runs:
-``EngineCore`` processes its aborts queue right before
-``Scheduler.update_from_output`` of that step, so they are finished (as
-``FINISHED_ABORTED``) just before the output that reports their load
-arrives.  ``"preempt"`` (asynchronous scheduling): the scheduling of the
+``EngineCore`` processes its aborts queue right before each
+``Scheduler.update_from_output``, so they are finished (as
+``FINISHED_ABORTED``, client side included) before the first output
+processed after their step was scheduled - that step's own output with
+synchronous scheduling, the step before's with asynchronous scheduling
+(the next step is then planned without them, before their output).  ``"preempt"`` (asynchronous scheduling): the scheduling of the
 next step preempts them, as it does when it runs out of KV blocks and the
 newest running request is the victim: at the start of the next
 ``Scheduler.schedule`` they leave the running queue through
@@ -47,8 +49,11 @@ def install(llm: Any, mode: str) -> dict[str, Any]:
         return out
 
     def on_update(scheduler_output: Any, model_output: Any):
-        if mode == "abort" and not done["requests"]:
-            loading = [r for r in _loading(scheduler_output) if r in scheduler.requests]
+        # the first output processed after the loading step was scheduled:
+        # its own (synchronous scheduling) or the step's before it
+        # (asynchronous: step N+1 is planned after this one)
+        if mode == "abort" and armed and not done["requests"]:
+            loading = [r for r in armed if r in scheduler.requests]
             if loading:  # (as LLM.abort does: the client side forgets them too)
                 llm.llm_engine.abort_request(loading, internal=True)
                 done["requests"].extend(loading)
