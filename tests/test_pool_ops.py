@@ -143,7 +143,7 @@ def test_scheduler_side_counts_once_and_sends_the_fill_when_it_changes(tmp_path)
 
 HOLDER = """
 import sys, time
-from vllm_layerwise_patch.pool import holders
+from vllm_layerwise_patch.pool.directory import holders
 holders.register(sys.argv[1], "scheduler", "the-model")
 holders.register(sys.argv[1], "worker", "the-model")
 print("ready", flush=True)
