@@ -71,6 +71,9 @@ class Faults:
     #: the hybrid-block-size guard holds only where alignment ran (the rule
     #: before the engine-core fix: the engine core's block size is reset)
     block_size_guard_alignment_only: bool = False
+    #: values are checked without their key digest (the rule before value
+    #: format 4: a sound value of another key of the namespace passes)
+    value_key_blind: bool = False
 
     @property
     def active(self) -> list[str]:
