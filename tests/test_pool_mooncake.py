@@ -38,6 +38,11 @@ def mc_config(master, **kw):
     return {"backend": "mooncake", "mooncake": mooncake}
 
 
+def kv(key: bytes, payload: bytes) -> tuple[bytes, bytes]:
+    """An item of a put: ``key`` and its value."""
+    return key, pack(NS, key, payload)
+
+
 def backend(master, **kw):
     from vllm_layerwise_patch.pool.backends.mooncake.backend import MooncakeBackend
 
@@ -57,7 +62,7 @@ def wait_until_storing(master: str, timeout: float = 120.0, in_a_row: int = 8) -
         try:
             be = backend(master)
             try:
-                be.put_many([(b"probe%d/x/L0" % n, pack(NS, b"p" * 4096))])
+                be.put_many([kv(b"probe%d/x/L0" % n, b"p" * 4096)])
                 done += 1
             finally:
                 be.close()
@@ -78,14 +83,14 @@ def cluster(tmp_path_factory):
 
 def test_put_get_exists_upsert_and_group_delete(cluster):
     be = backend(cluster.master_address)
-    be.put_many([(b"t1/g/L0", pack(NS, b"a" * 1000)), (b"t1/g/commit", pack(NS, b"")),
-                 (b"t1/h/L0", pack(NS, b"b" * 10))])
+    be.put_many([kv(b"t1/g/L0", b"a" * 1000), kv(b"t1/g/commit", b""),
+                 kv(b"t1/h/L0", b"b" * 10)])
     assert be.exists_many([b"t1/g/L0", b"t1/g/commit", b"t1/nope"]) == [True, True, False]
     got = be.get_many([b"t1/g/L0", b"t1/nope"], [2000, 2000])
-    assert bytes(unpack(b"k", got[0], NS)) == b"a" * 1000 and got[1] is None
+    assert bytes(unpack(b"t1/g/L0", got[0], NS)) == b"a" * 1000 and got[1] is None
     # Mooncake's put keeps an existing value; the backend replaces it (upsert)
-    be.put_many([(b"t1/g/L0", pack(NS, b"c" * 1000))])
-    assert bytes(unpack(b"k", be.get_many([b"t1/g/L0"])[0], NS)) == b"c" * 1000
+    be.put_many([kv(b"t1/g/L0", b"c" * 1000)])
+    assert bytes(unpack(b"t1/g/L0", be.get_many([b"t1/g/L0"])[0], NS)) == b"c" * 1000
     # a value larger than the reader said: no bytes of it reach the caller
     seen = []
     be.read_many([b"t1/g/L0"], lambda i, k, v: seen.append(v if v is None else bytes(v)),
@@ -107,8 +112,8 @@ def test_drafter_markers_are_put_after_their_pages(cluster):
     calls, real = [], be.plain.upsert
     be.plain.upsert = lambda store, items: (calls.append([k for k, _ in items]),
                                             real(store, items))[1]
-    items = [(b"t9/g/commit@17", pack(NS, b"")), (b"t9/g/commit", pack(NS, b"")),
-             (b"t9/g/L0@17", pack(NS, b"d" * 100)), (b"t9/g/L0", pack(NS, b"a" * 100))]
+    items = [kv(b"t9/g/commit@17", b""), kv(b"t9/g/commit", b""),
+             kv(b"t9/g/L0@17", b"d" * 100), kv(b"t9/g/L0", b"a" * 100)]
     be.put_many(items)
     assert calls == [[b"t9/g/L0@17", b"t9/g/L0"], [b"t9/g/commit@17", b"t9/g/commit"]]
     assert be.exists_many([k for k, _ in items]) == [True] * 4
@@ -134,19 +139,20 @@ def test_saves_go_to_the_segment_this_process_holds_first(cluster, prefer):
     # every put succeeds.  Negative control: without the preference Mooncake
     # spreads them (it does not fill this segment first by chance).
     probe = backend(cluster.master_address)  # holds nothing: its put goes to the holder
-    probe.put_many([(b"t5%d/probe/L0" % prefer, pack(NS, b"p"))])
+    probe.put_many([kv(b"t5%d/probe/L0" % prefer, b"p")])
     holder = placement(probe, [b"t5%d/probe/L0" % prefer])[0]
     probe.close()
     be = backend(cluster.master_address, global_segment_size="32MiB",
                  prefer_local_segment=prefer)
     be.mount_segment()
     keys = [b"t5%d/g%d/L0" % (prefer, i) for i in range(48)]
-    be.put_many([(k, pack(NS, bytes([i]) * (1 << 20))) for i, k in enumerate(keys)])
+    be.put_many([kv(k, bytes([i]) * (1 << 20)) for i, k in enumerate(keys)])
     here = [w != holder for w in placement(be, keys)]
     assert not all(here), "a 32 MiB segment cannot hold 48 MiB"
     assert all(here[:24]) is prefer, here
     got = be.get_many(keys, [(1 << 20) + 64] * len(keys))
-    assert [bytes(unpack(b"k", v, NS))[:1] for v in got] == [bytes([i]) for i in range(48)]
+    assert [bytes(unpack(k, v, NS))[:1] for k, v in zip(keys, got)] == \
+        [bytes([i]) for i in range(48)]
     be.delete(keys)
     be.close()
 
@@ -156,7 +162,7 @@ def test_no_segment_is_pool_full_and_no_marker_is_written(tmp_path):
     try:
         be = backend(lm.master_address)
         with pytest.raises(PoolFull, match="no segment"):
-            be.put_many([(b"t2/g/L0", pack(NS, b"a" * 1000)), (b"t2/g/commit", pack(NS, b""))])
+            be.put_many([kv(b"t2/g/L0", b"a" * 1000), kv(b"t2/g/commit", b"")])
         assert be.exists_many([b"t2/g/commit"]) == [False]
         be.close()
     finally:
@@ -169,7 +175,7 @@ def test_master_down_fails_fast_and_reconnects(tmp_path):
     lm = local(tmp_path)
     try:
         be = backend(lm.master_address)
-        be.put_many([(b"t3/g/L0", pack(NS, b"a" * 100))])
+        be.put_many([kv(b"t3/g/L0", b"a" * 100)])
         lm.kill("master")
         with pytest.raises(BackendUnavailable, match=lm.master_address):
             be.exists_many([b"t3/g/L0"])
@@ -184,7 +190,7 @@ def test_master_down_fails_fast_and_reconnects(tmp_path):
             time.sleep(0.2)
         while True:
             try:
-                be.put_many([(b"t3/g/L1", pack(NS, b"b" * 100))])
+                be.put_many([kv(b"t3/g/L1", b"b" * 100)])
                 break
             except BackendUnavailable:
                 assert time.monotonic() < deadline, "no reconnect"

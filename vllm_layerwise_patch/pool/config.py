@@ -203,8 +203,8 @@ class PoolConfig(BaseModel):
                     "dies)")
     verify_on_lookup: bool = Field(
         default=True,
-        description="read and check (length, crc32, namespace) every entry of a hit "
-                    "before reporting it")
+        description="read and check (length, checksum, namespace, the key it was "
+                    "written under) every entry of a hit before reporting it")
     hit_cache_ttl: Number = Field(
         default=30.0, ge=0,
         description="the scheduler's hit cache: longest an answer is kept (it is dropped "

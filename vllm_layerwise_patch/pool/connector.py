@@ -170,7 +170,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             key = namespace_key(self.ns)
             if not self.backend.exists_many([key])[0]:
                 text = json.dumps(self.namespace_description, sort_keys=True, indent=1)
-                self.backend.put_many([(key, pack(self.ns, text.encode()))])
+                self.backend.put_many([(key, pack(self.ns, key, text.encode()))])
         except Exception:  # noqa: BLE001
             pass
 

@@ -80,6 +80,9 @@ class Faults:
     #: the scheduler forgets an ended request at its next step (the rule
     #: before the fix: a failure reported later maps to nobody)
     forget_ended_at_once: bool = False
+    #: values are checked without their key digest (the rule before value
+    #: format 4: a sound value of another key of the namespace passes)
+    value_key_blind: bool = False
 
     @property
     def active(self) -> list[str]:

@@ -6,7 +6,8 @@ destination page) pairs of one step and submits the first ``prefetch`` layers
 (in forward order) to the load threads; :meth:`wait` blocks on one layer,
 surfaces its error, and submits the next layer so that at most ``prefetch``
 layers are in flight ahead of compute.  Every value is validated (length,
-checksum, namespace) before its page is used: before a byte reaches the page,
+checksum, namespace, and the key it was written under: the digest in its
+header) before its page is used: before a byte reaches the page,
 or - a zero-copy read straight into registered host pages - in the page,
 where a failure fails that load (:func:`read_items`).
 
