@@ -50,10 +50,10 @@ def scheduler(tmp_path, async_scheduling=True):
                           backend=LmdbBackend(str(tmp_path / "p"), 16 << 20), namespace=NS,
                           config=PoolConfig.from_extra({}))
     hashes = [bytes([i]) * 8 for i in range(6)]
-    sched.hits.backend.put_many([
-        item for h in hashes[:4] for kind, layer in ((ATTN, "0"), (STATE, "1"))
-        for item in ((page_key(NS, kind, h, 0, layer), pack(NS, b"x" * 8)),
-                     (marker_key(NS, kind, h, 0), pack(NS, b"")))])
+    keys = [k for h in hashes[:4] for kind, layer in ((ATTN, "0"), (STATE, "1"))
+            for k in (page_key(NS, kind, h, 0, layer), marker_key(NS, kind, h, 0))]
+    sched.hits.backend.put_many([(k, pack(NS, k, b"" if k.endswith(b"commit") else b"x" * 8))
+                                 for k in keys])
     return sched, hashes
 
 

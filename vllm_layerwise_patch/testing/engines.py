@@ -48,7 +48,7 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 ``umask``        the child's umask (e.g. 0: files as permissive as allowed);
 ``exact_load_bytes`` vLLM's "KV Transfer metrics" lines also give
                  ``Loaded (bytes)``, the bytes the workers loaded, unrounded;
-``weights_trace`` the result's ``weights_trace``: ``pool.weights.TRACE`` and
+``weights_trace`` the result's ``weights_trace``: ``pool.identity.weights.TRACE`` and
                  when vLLM read the weights files (``engine_controls``);
 ``interrupt_loading`` ``"abort"`` / ``"preempt"``: the requests of the
                  first step that loads from the pool end before that step's
