@@ -122,8 +122,9 @@ def test_after_an_aborted_failed_load_the_quarantine_clears_and_saves_go_on(
     then 20 requests of 2 blocks each.  Fixed: the workers hear of the
     failure, the quarantine clears, and every request's blocks are stored.
     The old rule (the scheduler forgot Q at the next step): the failure was
-    never acknowledged, each request holding a reused block id was tainted
-    in turn, and the engine stored almost nothing."""
+    never acknowledged, and each later request holding a reused block id was
+    refused in turn (measured: 42 of 84 blocks stored, 44 saves refused, and
+    growing)."""
     pool = dict(pool_p, path=str(work / f"quarantine-{rule}"))
     shutil.copytree(pool_p["path"], pool["path"])
     faults = {"debug_fail_load_layer": FAIL_LAYER}
@@ -141,8 +142,9 @@ def test_after_an_aborted_failed_load_the_quarantine_clears_and_saves_go_on(
     refused = sum(int(m["Saves refused after a failed load"]) for m in lines)
     cleared = "no longer kept out of the pool" in res["log"]
     print(f"{rule}: blocks saved {saved}, saves refused {refused}, quarantine cleared {cleared}")
-    if rule == "old":
-        assert not cleared and saved < 20
+    if rule == "old":  # every later request holding a reused block id: refused
+        assert not cleared and refused > len(others)
         return
     assert cleared
+    assert refused <= 4  # (the failing step's own saves, on each of its blocks)
     assert saved >= 2 * len(others)  # every request's 2 blocks
