@@ -229,3 +229,46 @@ def test_a_block_a_decode_completes_is_saved_once_its_hash_is_known(
     assert states == [(hashes[5], {1: 9})]
     when = meta_n if not async_scheduling else meta_next
     assert [a.hash for s in when.saves for a in s.attn] == [hashes[5]]
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old"])
+def test_a_request_that_hit_a_block_computed_after_the_failure_recomputes(
+        tmp_path, monkeypatch, rule):
+    """r's load failed; r had computed block 5 after it (cached when it was
+    allocated), and q - running - took r's blocks 1-5 as a hit in vLLM's
+    prefix cache and computed block 13 from them.  q holds no reported
+    block, only one computed from them: it read a wrong page all the same,
+    so it is recomputed, and its blocks leave the cache.  The old rule
+    (holders of reported blocks only) leaves q running on them."""
+    from vllm_layerwise_patch.patches import hybrid_load_recompute as patch
+
+    if rule == "old":
+        monkeypatch.setenv(FAULTS_ENV, json.dumps({"evict_running_holders_only": True}))
+    sched, hashes = scheduler(tmp_path)
+    r = request(hashes, "r")
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, types.SimpleNamespace(get_block_ids=lambda: TABLE), 16)
+    step(sched, new=[(r, [list(ids) for ids in TABLE], 16)])
+    q_table = ([1, 2, 3, 4, 5, 13], [0, 0, 0, 0, 14, 0])
+    sched._tracked["q"] = type(sched._tracked["r"])(request(hashes, "q"),
+                                                    [list(ids) for ids in q_table])
+    evicted: set[int] = set()
+    tables = {"q": q_table}
+    vllm_sched = types.SimpleNamespace(
+        kv_cache_config=types.SimpleNamespace(kv_cache_groups=[0, 1]),
+        connector=types.SimpleNamespace(reports_hybrid_load_errors=True,
+                                        blocks_to_evict=sched.blocks_to_evict),
+        running=[types.SimpleNamespace(request_id="q")],  # (r ended)
+        kv_cache_manager=types.SimpleNamespace(
+            get_block_ids=tables.__getitem__, evict_blocks=evicted.update,
+            block_pool=types.SimpleNamespace(null_block=types.SimpleNamespace(block_id=0))),
+        recompute_kv_load_failures=True)
+    sched.request_finished(r)
+    # q holds reported blocks 1-4 too: report only r's state block (7) and
+    # block 5, computed after the load, is what q must be found by
+    got = patch._handle_invalid_blocks(None, vllm_sched, ({7},), {})
+    if rule == "old":
+        assert got == set() and evicted == set()
+        return
+    assert got == {"q"}
+    assert {5, 13, 14} <= evicted

@@ -26,12 +26,14 @@ Why: Scheduler._handle_invalid_blocks raises for more than one KV cache group
 How: only for connectors that declare ``reports_hybrid_load_errors`` (the
   pool connector) and layouts with several groups; anything else takes
   upstream's path. The requests affected are the running requests holding a
-  reported block id in any group (over-matching only costs a recompute).
-  What leaves the prefix cache (the failed pages were cached at
-  allocation) does not depend on who still runs: the reported blocks, all
-  blocks of the running requests holding one, and what the connector names
-  (``blocks_to_evict``: every block computed from a failed page, by
-  requests that ended meanwhile too). A request aborted by its client, or
+  reported block id in any group, or a block the connector names as
+  computed from one (``blocks_to_evict``: in every block table holding a
+  failed block, that column and the later ones, running and ended
+  requests alike) - a request that took such a block as a hit in vLLM's
+  prefix cache read a wrong page too (over-matching only costs a
+  recompute). What leaves the prefix cache (the failed pages were cached
+  at allocation) does not depend on who still runs: those blocks, and all
+  blocks of the affected requests. A request aborted by its client, or
   preempted by the next step's scheduling (vLLM schedules step N+1 before it
   processes step N's output), no longer runs when its failure is reported;
   evicting only running holders' blocks left its zeroed pages cached, and
@@ -90,20 +92,13 @@ def affected_requests(scheduler, invalid_block_ids: set[int]) -> tuple[set[str],
     return affected, blocks
 
 
-def blocks_to_evict(scheduler, invalid_block_ids: set[int], held: set[int]) -> set[int]:
-    """The reported blocks, the running holders' blocks (``held``) and what
-    the connector knows was computed from the failed pages."""
+def derived_blocks(scheduler, invalid_block_ids: set[int]) -> set[int]:
+    """The reported blocks and what the connector knows was computed from
+    them (``blocks_to_evict``: later blocks of every table holding one, by
+    running and ended requests alike)."""
     named = getattr(scheduler.connector, "blocks_to_evict", None)
-    try:
-        from ..pool.faults import faults
-
-        old_rule = faults().evict_running_holders_only
-    except Exception:  # noqa: BLE001 - (a connector outside the package)
-        old_rule = False
-    if old_rule:  # (tests: the rule before the fix)
-        return held
-    out = set(invalid_block_ids) | held
-    if callable(named):
+    out = set(invalid_block_ids)
+    if callable(named) and not _old_rule():
         out |= set(named(set(invalid_block_ids)))
     null = getattr(getattr(getattr(scheduler.kv_cache_manager, "block_pool", None),
                            "null_block", None), "block_id", 0)
@@ -111,15 +106,29 @@ def blocks_to_evict(scheduler, invalid_block_ids: set[int], held: set[int]) -> s
     return out
 
 
+def _old_rule() -> bool:
+    """(tests) The rule before the fix: only running holders of a reported
+    block are affected, and only their blocks evicted."""
+    try:
+        from ..pool.faults import faults
+
+        return faults().evict_running_holders_only
+    except Exception:  # noqa: BLE001 - (a connector outside the package)
+        return False
+
+
 def _handle_invalid_blocks(wrapped, instance, args, kwargs):
     if (len(instance.kv_cache_config.kv_cache_groups) <= 1
             or not getattr(instance.connector, OPT_IN, False)):
         return wrapped(*args, **kwargs)
     invalid = set(args[0] if args else kwargs["invalid_block_ids"])
-    affected, held = affected_requests(instance, invalid)
+    derived = derived_blocks(instance, invalid)
+    # a running request holding any of them read a wrong page - also one that
+    # took a block computed after the failure as a hit in vLLM's prefix cache
+    affected, held = affected_requests(instance, derived)
     # the failed pages were cached at allocation: nobody may hit them, nor
     # what was computed from them, whoever still runs
-    evict = blocks_to_evict(instance, invalid, held)
+    evict = held if _old_rule() else derived | held
     if evict:
         instance.kv_cache_manager.evict_blocks(evict)
     if not affected:
