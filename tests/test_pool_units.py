@@ -1040,6 +1040,47 @@ def test_a_request_reloaded_after_a_preemption_pins_again(stored):
     assert sched.hits.backend.calls["pin"] == pins + 1
 
 
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_a_request_reloaded_after_its_async_load_pins_again(tmp_path, monkeypatch, rule):
+    # load_async: the workers release a load's pins once it is done; when
+    # vLLM preempts the request soon after (within pin_seconds/2 of the last
+    # pin) and looks it up again, its hit must be pinned in the pool anew.
+    # Negative control (async_pins_kept, the rule before the fix): the
+    # scheduler's record of the released pins answers the re-lookup and the
+    # hit it serves is not pinned.
+    from vllm_layerwise_patch.pool.faults import FAULTS_ENV
+    from vllm_layerwise_patch.pool.keys import ATTN, group_key
+    from vllm_layerwise_patch.pool.metadata import load_groups, owner_of
+
+    if rule == "old-rule":
+        monkeypatch.setenv(FAULTS_ENV, '{"debug_async_pins_kept": true}')
+    sched = _scheduler(tmp_path, load_async=True)
+    hashes = _committed(sched, 3)
+    be = sched.hits.backend
+    req = _req(hashes, 3 * 4 + 1, rid="a")
+    wanted = sorted(group_key(NS, ATTN, h, 0) for h in hashes) + [
+        group_key(NS, STATE, hashes[2], 0)]
+
+    def pinned():
+        now = struct.pack(">d", time.time())
+        with be._txn() as txn:
+            return sorted(g for g in wanted if be._pinned(txn, g, now))
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 0], [0, 0, 11, 0]))
+    sched.update_state_after_alloc(req, blocks, 12)
+    (spec,) = sched.build_connector_meta(_step()).async_loads
+    assert pinned() == sorted(wanted)
+    # the worker (rank 0, the only one) read the hit and releases its pins
+    # (worker.loads.WorkerLoads.release_pins), then reports the load done
+    be.unpin(load_groups(NS, spec.hashes, [0], True), owner_of("a"))
+    assert pinned() == []
+    sched.update_connector_output(types.SimpleNamespace(finished_recving={"a"}))
+    # preempted at once; looked up again: the same hit
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    assert pinned() == (sorted(wanted) if rule == "fixed" else [])
+
+
 @pytest.mark.parametrize("attr", ["prompt_logprobs", "skip_reading_prefix_cache"])
 def test_a_request_vllm_serves_without_its_cache_is_neither_looked_up_nor_pinned(stored,
                                                                                   attr):

@@ -68,6 +68,10 @@ class Faults:
     #: fault injection: the Mooncake backend's first this many block-object
     #: puts of a process report a transfer failure (-800) without writing
     mooncake_put_transfer_fails: int = 0
+    #: an asynchronous load reported done leaves the scheduler's record of its
+    #: pins as it was (the rule before the fix: a re-lookup within
+    #: pin_seconds/2, after a preemption, skips the backend pin)
+    async_pins_kept: bool = False
     #: the hybrid-block-size guard holds only where alignment ran (the rule
     #: before the engine-core fix: the engine core's block size is reset)
     block_size_guard_alignment_only: bool = False

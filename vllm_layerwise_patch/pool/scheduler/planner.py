@@ -317,6 +317,8 @@ class PoolScheduler:
             if rid in self._orphans:  # its request ended while loading
                 self._orphans.discard(rid)
                 self.pins.release(rid)
+            elif not self.faults.async_pins_kept:  # the workers released them (.pins)
+                self.pins.handed_over(rid)
         failed = {rid for rid in getattr(connector_output, "failed_recving", None) or ()
                   if rid in self._tracked}
         invalid = getattr(connector_output, "invalid_block_ids", None)
