@@ -499,6 +499,54 @@ def test_pipeline_loads_every_layer_in_order_with_prefetch(tmp_path):
     be.close()
 
 
+class _Fence:
+    """The compute-start fence as the load threads see it (``synchronize``:
+    block until compute reached the layer).  On a GPU it is a CUDA event the
+    forward records (``record_compute_start``); on CPU there is no stream, so
+    the test's consumer releases it by hand."""
+
+    def __init__(self):
+        self.reached = threading.Event()
+
+    def synchronize(self):
+        assert self.reached.wait(30)
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_pipeline_load_seconds_is_the_transfer_without_the_fence_wait(tmp_path, rule):
+    # 4 layers, each load taking DELAY (the pipeline's delay fault), prefetch
+    # 2: layers 0 and 1 start at once; once the forward reaches layer 0, the
+    # load of layer 2 is submitted behind the fence and waits until a slow
+    # consumer - computing layer 0 for HOLD - lets it write.  load_seconds
+    # counts the transfers (4 x DELAY), not the HOLD that load sat behind the
+    # fence.  Negative control: the rule before the fix
+    # (load_seconds_with_fence) counts the fence too.
+    DELAY, HOLD = 0.05, 0.6
+    be, caches, order = _pages(tmp_path, 4, 2, 256)
+    tasks = {}
+    for layer in order:
+        key = f"{layer}/1".encode()
+        be.put_many([(key, pack(NS, bytes(range(256))))])
+        tasks[layer] = [(key, [caches[layer][1]])]
+    pipe = LayerwisePipeline(order, be, NS, prefetch=2, threads=4, delay=DELAY,
+                             fence_in_load_seconds=rule == "old-rule")
+    pipe.start(tasks)
+    fence = pipe._gate = _Fence()  # (what record_compute_start sets on a GPU)
+    pipe.wait(order[0])  # submits layer 2, behind the fence
+    time.sleep(HOLD)  # the slow consumer computes layer 0
+    fence.reached.set()
+    for layer in order[1:]:
+        pipe.wait(layer)
+        assert caches[layer][1].tolist() == list(range(256))
+    transfer = 4 * DELAY
+    if rule == "fixed":
+        assert transfer * 0.9 <= pipe.load_seconds < transfer + HOLD / 2, pipe.load_seconds
+    else:
+        assert pipe.load_seconds >= transfer * 0.9 + HOLD * 0.9, pipe.load_seconds
+    pipe.close()
+    be.close()
+
+
 def test_pipeline_surfaces_missing_and_corrupt_entries(tmp_path):
     be, caches, order = _pages(tmp_path, 2, 2, 64)
     be.put_many([(b"bad", pack(b"O" * 16, bytes(64)))])

@@ -72,6 +72,9 @@ class Faults:
     #: pins as it was (the rule before the fix: a re-lookup within
     #: pin_seconds/2, after a preemption, skips the backend pin)
     async_pins_kept: bool = False
+    #: a layer's load time counts from its submission, the wait for compute to
+    #: reach the layer (the fence) included (the rule before the fix)
+    load_seconds_with_fence: bool = False
     #: the hybrid-block-size guard holds only where alignment ran (the rule
     #: before the engine-core fix: the engine core's block size is reset)
     block_size_guard_alignment_only: bool = False

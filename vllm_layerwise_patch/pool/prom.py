@@ -54,8 +54,10 @@ METRICS: tuple[Metric, ...] = (
            "Bytes loaded from the pool into KV pages, one sample per worker step that "
            "loaded (`_sum`: all bytes loaded).", BYTE_BUCKETS),
     Metric("load_seconds", "histogram", "load_seconds_samples",
-           "Load threads' time per worker step, summed over layers: from a layer's load "
-           "start (waiting for compute to reach the layer included) to its pages in place.",
+           "Load threads' time per worker step, summed over layers: reading a layer's "
+           "pages from the pool and placing them (the transfer alone: not the wait for "
+           "compute to reach the layer before its pages may be written, nor the forward's "
+           "wait, which is `load_wait_seconds`).",
            SECOND_BUCKETS),
     Metric("load_wait_seconds", "histogram", "wait_seconds_samples",
            "Exposed load wait: time the forward blocked on pool loads, per worker step.",

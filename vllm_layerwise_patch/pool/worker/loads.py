@@ -46,7 +46,9 @@ class WorkerLoads:
                                           # the lookup already checked every
                                           # checksum a hit relies on
                                           check_crc=not self.config.verify_on_lookup,
-                                          delay=self.faults.load_delay_ms / 1e3)
+                                          delay=self.faults.load_delay_ms / 1e3,
+                                          fence_in_load_seconds=self.faults.
+                                          load_seconds_with_fence)
         # zero-copy loads where possible
         self.pipeline.register_memory(self.pages.caches.values())
 
