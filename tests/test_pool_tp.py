@@ -64,9 +64,9 @@ def test_tp2_engine_hits_what_another_tp2_engine_saved(model, work, pool, baseli
     res = engine(model, work, [P], pool=pool)
     assert res["out"][0]["cached"] == 3 * BLOCK
     assert toks(res) == toks(baseline)
-    # both ranks loaded: the workers' stats are summed by vLLM
+    # both ranks loaded; the hit tokens are counted once per engine
     loaded = sum(int(m["External hit tokens loaded"]) for m in kv_metrics(res["log"]))
-    assert loaded == 2 * 3 * BLOCK
+    assert loaded == 3 * BLOCK
 
 
 def test_negative_control_rank_1_reading_rank_0_pages_changes_tokens(model, work, pool,
@@ -79,3 +79,45 @@ def test_negative_control_rank_1_reading_rank_0_pages_changes_tokens(model, work
 def test_tp1_engine_never_hits_tp2_entries(model, work, pool):
     res = engine(model, work, [P], pool=pool, tp=1)
     assert res["out"][0]["cached"] == 0
+
+
+# -- figures per request: once per engine, whatever the TP size ---------------------
+# One workload at TP=1 and at TP=2, each on a fresh pool: P computed and
+# saved; P again (vLLM's prefix cache reset) hits, its load fails in one
+# layer on every rank and P recomputes (policy recompute); P a third time
+# hits and loads.  vLLM's log line sums the workers' stats over the ranks:
+# the counts of requests and blocks must read the same at TP=2 as at TP=1.
+# Negative control (stats_every_rank, the rule before the fix): every rank
+# reports them, and TP=2 reads double.
+
+FAIL_LAYER = "model.layers.1.linear_attn"
+COUNTS = ("External hit tokens loaded", "Blocks saved", "Requests with failed loads")
+
+
+def counted(model, work, tp, name, **faults):
+    pool = {"path": str(work / f"pool-counts-{name}"), "capacity": "64MiB",
+            "debug_fail_load_layer": FAIL_LAYER, **faults}
+    res = engine(model, work, [P, P, P], pool=pool, tp=tp, policy="recompute", cold=True)
+    assert [o["cached"] for o in res["out"]] == [0, 0, 3 * BLOCK]  # (P recomputed, then hit)
+    assert toks(res)[1] == toks(res)[0] and toks(res)[2] == toks(res)[0]
+    assert "debug-missing" in res["log"]
+    lines = kv_metrics(res["log"])
+    return {k: sum(int(m.get(k, 0)) for m in lines) for k in COUNTS}
+
+
+@pytest.fixture(scope="module")
+def counts_tp1(model, work):
+    return counted(model, work, 1, "tp1")
+
+
+def test_tp2_counts_requests_and_blocks_as_tp1_does(model, work, counts_tp1):
+    assert counts_tp1 == {"External hit tokens loaded": 2 * 3 * BLOCK,
+                          "Blocks saved": counts_tp1["Blocks saved"],
+                          "Requests with failed loads": 1}
+    assert counts_tp1["Blocks saved"] > 0
+    assert counted(model, work, 2, "tp2") == counts_tp1
+
+
+def test_negative_control_every_rank_counting_doubles_at_tp2(model, work, counts_tp1):
+    got = counted(model, work, 2, "tp2-every-rank", debug_stats_every_rank=True)
+    assert got == {k: 2 * v for k, v in counts_tp1.items()}

@@ -1129,6 +1129,78 @@ def test_a_request_reloaded_after_its_async_load_pins_again(tmp_path, monkeypatc
     assert pinned() == (sorted(wanted) if rule == "fixed" else [])
 
 
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+@pytest.mark.parametrize("tp,failing", [(1, {0}), (2, {0, 1}), (2, {1})])
+def test_figures_per_request_count_once_per_engine_whatever_the_tp_size(tmp_path, rule, tp,
+                                                                        failing):
+    # One step of an engine at TP=1 or TP=2 through vLLM's own aggregation:
+    # every rank loaded request "a"'s hit (12 tokens) and committed 2 blocks,
+    # and the asynchronous load of request "b" failed on the ranks
+    # ``failing``.  vLLM's KVOutputAggregator sums the workers' stats and
+    # reports b's failure once; the scheduler side adds its counts; the log
+    # line (PoolStats.reduce) must read the same at TP=2 as at TP=1.
+    # Negative control (stats_every_rank, the rule before the fix): every
+    # rank reports them, vLLM's sums double at TP=2.
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from vllm_layerwise_patch.pool.scheduler.stats import SchedulerSideStats
+    from vllm_layerwise_patch.pool.stats import PoolStats, worker_share
+
+    every_rank = rule == "old-rule"
+    sched = _scheduler(tmp_path, load_async=True)
+    hashes = _committed(sched, 3)
+    req = _req(hashes, 3 * 4 + 1, rid="b")
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 0], [0, 0, 11, 0]))
+    sched.update_state_after_alloc(req, blocks, 12)
+    sched.build_connector_meta(_step())
+    side = SchedulerSideStats(lambda: sched.stats, sched.hits.backend, 4,
+                              failures=not every_rank)
+    side.take()  # (what the lookups counted so far)
+
+    def worker(rank):
+        data = {"hit_tokens": 12, "blocks_saved": 2, "bytes_loaded": 4096,
+                "load_failures": int(rank in failing)}
+        stats = PoolStats(data=worker_share(data, rank, every_rank)).sample_step()
+        return types.SimpleNamespace(kv_connector_output=KVConnectorOutput(
+            kv_connector_stats=stats, finished_recving={"b"},
+            failed_recving={"b"} if rank in failing else set()))
+
+    out = KVOutputAggregator(tp).aggregate([worker(r) for r in range(tp)]).kv_connector_output
+    assert out.failed_recving == {"b"}
+    sched.update_connector_output(out)  # (as vLLM's scheduler hands it over)
+    stats, own = out.kv_connector_stats, side.take()
+    stats = (stats.aggregate(own) if own is not None else stats).reduce()
+    got = (stats["External hit tokens loaded"], stats["Blocks saved"],
+           stats["Requests with failed loads"])
+    if rule == "fixed" or tp == 1:
+        assert got == (12, 2, 1)
+    else:
+        assert got == (24, 4, len(failing))
+
+
+def test_the_scheduler_counts_each_failed_load_once(stored):
+    # a load in a forward fails: vLLM hands the scheduler the failed block
+    # ids (in that step's output; a later step's output may name them
+    # again) - one failed request; then vLLM fails request "z" by policy
+    # 'fail' (finished, no longer tracked) before it hands the scheduler the
+    # output that reports z's failed asynchronous load - counted too.
+    sched, hashes = stored
+    req = _req(hashes, 4 * 4 + 1, rid="s")
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5], [0, 0, 0, 6, 0]))
+    sched.update_state_after_alloc(req, blocks, 16)
+    ids = blocks.get_block_ids()
+    assert len(sched.build_connector_meta(_step([("s", ids, 0)], {"s": 17})).loads) == 1
+    for _ in range(2):
+        sched.update_connector_output(types.SimpleNamespace(invalid_block_ids={2, 6}))
+    assert sched.stats["load_failures"] == 1
+    sched.update_connector_output(types.SimpleNamespace(finished_recving={"z"},
+                                                        failed_recving={"z"}))
+    assert sched.stats["load_failures"] == 2
+
+
 @pytest.mark.parametrize("attr", ["prompt_logprobs", "skip_reading_prefix_cache"])
 def test_a_request_vllm_serves_without_its_cache_is_neither_looked_up_nor_pinned(stored,
                                                                                   attr):

@@ -75,6 +75,10 @@ class Faults:
     #: a layer's load time counts from its submission, the wait for compute to
     #: reach the layer (the fence) included (the rule before the fix)
     load_seconds_with_fence: bool = False
+    #: every TP rank's worker reports the figures per request (hit tokens,
+    #: blocks saved, failed loads) and the scheduler does not count failed
+    #: loads (the rule before the fix: vLLM sums them over the ranks)
+    stats_every_rank: bool = False
     #: the hybrid-block-size guard holds only where alignment ran (the rule
     #: before the engine-core fix: the engine core's block size is reset)
     block_size_guard_alignment_only: bool = False

@@ -69,10 +69,12 @@ METRICS: tuple[Metric, ...] = (
            "Send thread's time packing and writing saves, per worker step.",
            SECOND_BUCKETS),
     Metric("blocks_saved", "counter", "blocks_saved",
-           "Blocks committed to the pool (each TP rank's commit counts)."),
+           "Blocks committed to the pool, once per engine whatever the TP size (TP rank "
+           "0's commits; every rank commits its own pages of a block)."),
     Metric("failed_loads", "counter", "load_failures",
-           "Requests whose pool load failed, handed to `kv_load_failure_policy` (counted "
-           "by each worker that saw the failure)."),
+           "Requests whose pool load failed, handed to `kv_load_failure_policy`: once per "
+           "request and engine, whichever TP ranks failed (the scheduler counts what "
+           "vLLM learns)."),
     Metric("skipped_saves", "counter", "saves_skipped",
            "Saves skipped for want of room: pinned entries fill the pool, or its "
            "filesystem is full."),
