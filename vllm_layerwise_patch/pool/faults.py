@@ -79,6 +79,10 @@ class Faults:
     #: blocks saved, failed loads) and the scheduler does not count failed
     #: loads (the rule before the fix: vLLM sums them over the ranks)
     stats_every_rank: bool = False
+    #: the directories above the pool are checked only before the missing ones
+    #: are created, by name (the rule before the fix: not once created and
+    #: resolved, not through the descriptor the pool is made in)
+    parents_checked_first_only: bool = False
     #: the hybrid-block-size guard holds only where alignment ran (the rule
     #: before the engine-core fix: the engine core's block size is reset)
     block_size_guard_alignment_only: bool = False
