@@ -83,6 +83,9 @@ class Faults:
     #: are created, by name (the rule before the fix: not once created and
     #: resolved, not through the descriptor the pool is made in)
     parents_checked_first_only: bool = False
+    #: Mooncake's client setup is attempted once the master's port accepts a
+    #: connection, without a request answered first (the rule before the fix)
+    mooncake_setup_unprobed: bool = False
     #: the hybrid-block-size guard holds only where alignment ran (the rule
     #: before the engine-core fix: the engine core's block size is reset)
     block_size_guard_alignment_only: bool = False
