@@ -107,7 +107,9 @@ def counted(model, work, tp, name, **faults):
     assert toks(res)[1] == toks(res)[0] and toks(res)[2] == toks(res)[0]
     assert "debug-missing" in res["log"]
     lines = kv_metrics(res["log"])
-    return {k: sum(int(m.get(k, 0)) for m in lines) for k in COUNTS}
+    got = {k: sum(int(m.get(k, 0)) for m in lines) for k in COUNTS}
+    print(f"TP={tp} ({name}):", got)
+    return got
 
 
 @pytest.fixture(scope="module")
