@@ -3,8 +3,9 @@ scheduler's connector for stats after every step's output): the tokens and
 blocks its lookups served from the pool and the requests whose loads failed
 - counted once per engine, where the workers' counts would repeat on every
 TP rank -, the lookups that waited for another request's load of the same
-blocks (``inflight``), and the pool's fill (embedded backend), read at most once per ``interval`` seconds and sent only when it
-changed, so an idle pool adds nothing to vLLM's periodic log line."""
+blocks (``inflight``), and the pool's fill (embedded backend), read at
+most once per ``interval`` seconds and sent only when it changed, so an idle
+pool adds nothing to vLLM's periodic log line."""
 
 from __future__ import annotations
 
