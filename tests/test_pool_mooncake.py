@@ -10,6 +10,7 @@ is the oracle (DESIGN §9).
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -249,19 +250,24 @@ class _SlowMaster:
 
 def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
     # Every reconnect_seconds, while the master is down, a background thread
-    # attempts to reach it again: Mooncake's setup (about 90 s against a
-    # master that accepts connections and never answers) or a probe of the
-    # client (its RPC time-outs).  The caller - the scheduler's lookup, a
-    # worker's load - fails at once meanwhile, and one attempt runs at a time.
+    # attempts to reach it again: Mooncake's setup or a probe of the client
+    # (its RPC time-outs), once the master answered a request.  The caller -
+    # the scheduler's lookup, a worker's load - fails at once meanwhile, and
+    # one attempt runs at a time.  (The stand-in lets go of the interpreter
+    # lock while it hangs, which Mooncake's own calls do not: the request
+    # answered first is what keeps a master that never answers from them,
+    # see test_a_silent_master_...)
     import socket
     import threading
 
     import mooncake.store
 
+    from vllm_layerwise_patch.pool.backends.mooncake import connection
     from vllm_layerwise_patch.pool.backends.mooncake.backend import BackendUnavailable
 
     listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     master = f"127.0.0.1:{listener.getsockname()[1]}"
+    monkeypatch.setattr(connection, "master_answers", lambda *a: None)  # (see above)
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", _SlowMaster)
     monkeypatch.setattr(_SlowMaster, "answer", threading.Event())
     be = backend(master, reconnect_seconds=0.05)  # setup fails: down from the start
@@ -297,8 +303,8 @@ def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
         assert back_up() == [False]
         # connected; the master goes away and its probe hangs
         _SlowMaster.answer.clear()
+        attempts = be.attempts  # (before: the watcher that just reconnected may go on)
         be.conn.mark_down("test: master gone")
-        attempts = be.attempts
         for _ in range(5):
             fails_at_once()
             time.sleep(0.1)
@@ -309,6 +315,121 @@ def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
         _SlowMaster.answer.set()
         be.close()
         listener.close()
+
+
+class SilentMaster:
+    """A master that accepts connections and never answers: a plain TCP
+    listener (the real ``mooncake_master`` cannot be made to hang this way).
+    Mooncake's client setup against it retries for minutes."""
+
+    def __init__(self):
+        import socket
+
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def close(self):
+        self.listener.close()
+
+
+SILENT_CHILD = """
+import sys, time
+from vllm_layerwise_patch.pool.backends.mooncake.backend import MooncakeBackend
+from vllm_layerwise_patch.pool.config import PoolConfig
+cfg = PoolConfig.from_extra({extra!r})
+t0 = time.monotonic()
+MooncakeBackend(cfg.mooncake, on_unavailable="recompute")
+print("built in", round(time.monotonic() - t0, 2), flush=True)
+"""
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_a_silent_master_at_startup_is_waited_for_at_most_connect_timeout_seconds(
+        tmp_path, rule):
+    # The real Mooncake client, in a process of its own, against a master
+    # that accepts connections and never answers: the backend is built
+    # within the bound (down: the engine starts without the pool).
+    # Negative control (mooncake_setup_unprobed, the rule before the fix:
+    # setup once the port accepts a connection): Mooncake's setup holds the
+    # process far past the bound (it retries 20 times, 30 s each).
+    import json
+    import subprocess
+    import sys
+
+    from vllm_layerwise_patch.pool.faults import FAULTS_ENV
+
+    silent, bound, wait = SilentMaster(), 2.0, 20.0
+    env = dict(os.environ, MC_FORCE_TCP="1", MC_TCP_BIND_ADDRESS="127.0.0.1")
+    env.pop(FAULTS_ENV, None)
+    if rule == "old-rule":
+        env[FAULTS_ENV] = json.dumps({"debug_mooncake_setup_unprobed": True})
+    code = SILENT_CHILD.format(extra=mc_config(silent.address, connect_timeout_seconds=bound))
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, cwd=str(tmp_path))
+    try:
+        out, _ = child.communicate(timeout=wait)
+    except subprocess.TimeoutExpired:
+        out = None
+    finally:
+        child.kill()
+        child.wait()
+        silent.close()
+    if rule == "fixed":
+        assert out is not None and out.startswith("built in"), out
+        assert bound * 0.9 <= float(out.split()[-1]) < bound + 3, out
+    else:
+        assert out is None, f"Mooncake's setup returned within {wait:g} s: {out}"
+
+
+def test_a_silent_master_is_down_and_never_stops_the_process():
+    # In this process: every operation fails at once, and the attempts to
+    # reach the master again (every reconnect_seconds, each waiting for the
+    # answer at most connect_timeout_seconds) never hold the other threads;
+    # on_backend_unavailable='fail' stops the start naming the master.
+    from vllm_layerwise_patch.pool.backends.mooncake.backend import (BackendUnavailable,
+                                                                     MooncakeBackend)
+
+    silent = SilentMaster()
+    try:
+        be = backend(silent.address, connect_timeout_seconds=1, reconnect_seconds=0.2)
+        try:
+            assert be.conn.down and be.conn.store is None
+            gaps, last = [], time.monotonic()
+            deadline = last + 30
+            while be.attempts < 3:
+                t0 = time.monotonic()
+                with pytest.raises(BackendUnavailable, match=silent.address):
+                    be.exists_many([b"x"])
+                assert time.monotonic() - t0 < 0.5
+                time.sleep(0.05)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+                assert last < deadline, "no retry"
+            assert max(gaps) < 0.5, max(gaps)  # this thread ran on while they waited
+        finally:
+            be.close()
+        cfg = PoolConfig.from_extra(dict(mc_config(silent.address, connect_timeout_seconds=1),
+                                         on_backend_unavailable="fail"))
+        with pytest.raises(PoolConfigError) as e:
+            MooncakeBackend(cfg.mooncake, on_unavailable="fail")
+        msg = str(e.value)
+        assert "kv_connector_extra_config.mooncake.master_address" in msg
+        assert f"{silent.address} accepts connections but did not answer a request within " \
+               "1 s" in msg, msg
+    finally:
+        silent.close()
+
+
+def test_a_live_master_answers_the_request_at_once(cluster):
+    # what the start-up asks every master before Mooncake's setup
+    from vllm_layerwise_patch.pool.backends.mooncake.connection import master_answers
+    from vllm_layerwise_patch.pool.backends.mooncake.staging import host_port
+
+    t0 = time.monotonic()
+    assert master_answers(*host_port(cluster.master_address), 5.0) is None
+    assert time.monotonic() - t0 < 1
+    dead = f"127.0.0.1:{free_port()}"
+    assert master_answers(*host_port(dead), 5.0).startswith("is unreachable")
 
 
 def test_config_errors_name_the_field():
@@ -432,3 +553,25 @@ def test_master_unreachable_at_startup_follows_on_backend_unavailable(tiny_model
     err = failed["errors"]["fail"]
     assert err is not None and dead in err
     assert "kv_connector_extra_config.mooncake.master_address" in err
+
+
+@pytest.mark.vllm
+def test_a_silent_master_at_startup_starts_the_engine_without_the_pool(tiny_model_dir, work,
+                                                                     cold):
+    # The engine's Mooncake client meets a master that accepts connections
+    # and never answers (SilentMaster): the engine starts after the bound,
+    # says so in one line, and serves without hits (vLLM's prefix cache reset
+    # between the two prompts) with the tokens of a run without the pool.
+    silent = SilentMaster()
+    try:
+        res = engine(tiny_model_dir, work, [P, P], cold=True,
+                     pool=mc_config(silent.address, connect_timeout_seconds=3))
+    finally:
+        silent.close()
+    assert [o["cached"] for o in res["out"]] == [0, 0]
+    assert toks(res) == [cold["P"]] * 2
+    said = [line for line in res["log"].splitlines()
+            if "vllm-layerwise-patch pool" in line and silent.address in line]
+    assert len(said) == 1, said
+    assert "accepts connections but did not answer a request within 3 s" in said[0]
+    assert DOWN in said[0]

@@ -502,6 +502,54 @@ def test_pipeline_loads_every_layer_in_order_with_prefetch(tmp_path):
     be.close()
 
 
+class _Fence:
+    """The compute-start fence as the load threads see it (``synchronize``:
+    block until compute reached the layer).  On a GPU it is a CUDA event the
+    forward records (``record_compute_start``); on CPU there is no stream, so
+    the test's consumer releases it by hand."""
+
+    def __init__(self):
+        self.reached = threading.Event()
+
+    def synchronize(self):
+        assert self.reached.wait(30)
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_pipeline_load_seconds_is_the_transfer_without_the_fence_wait(tmp_path, rule):
+    # 4 layers, each load taking DELAY (the pipeline's delay fault), prefetch
+    # 2: layers 0 and 1 start at once; once the forward reaches layer 0, the
+    # load of layer 2 is submitted behind the fence and waits until a slow
+    # consumer - computing layer 0 for HOLD - lets it write.  load_seconds
+    # counts the transfers (4 x DELAY), not the HOLD that load sat behind the
+    # fence.  Negative control: the rule before the fix
+    # (load_seconds_with_fence) counts the fence too.
+    DELAY, HOLD = 0.05, 0.6
+    be, caches, order = _pages(tmp_path, 4, 2, 256)
+    tasks = {}
+    for layer in order:
+        key = f"{layer}/1".encode()
+        be.put_many([(key, pack(NS, bytes(range(256))))])
+        tasks[layer] = [(key, [caches[layer][1]])]
+    pipe = LayerwisePipeline(order, be, NS, prefetch=2, threads=4, delay=DELAY,
+                             fence_in_load_seconds=rule == "old-rule")
+    pipe.start(tasks)
+    fence = pipe._gate = _Fence()  # (what record_compute_start sets on a GPU)
+    pipe.wait(order[0])  # submits layer 2, behind the fence
+    time.sleep(HOLD)  # the slow consumer computes layer 0
+    fence.reached.set()
+    for layer in order[1:]:
+        pipe.wait(layer)
+        assert caches[layer][1].tolist() == list(range(256))
+    transfer = 4 * DELAY
+    if rule == "fixed":
+        assert transfer * 0.9 <= pipe.load_seconds < transfer + HOLD / 2, pipe.load_seconds
+    else:
+        assert pipe.load_seconds >= transfer * 0.9 + HOLD * 0.9, pipe.load_seconds
+    pipe.close()
+    be.close()
+
+
 def test_pipeline_surfaces_missing_and_corrupt_entries(tmp_path):
     be, caches, order = _pages(tmp_path, 2, 2, 64)
     be.put_many([(b"bad", pack(b"O" * 16, b"bad", bytes(64)))])
@@ -1039,6 +1087,119 @@ def test_a_request_reloaded_after_a_preemption_pins_again(stored):
     sched.update_state_after_alloc(req, blocks, 16)
     assert sched.get_num_new_matched_tokens(req, 0) == (16, False)  # after a preemption
     assert sched.hits.backend.calls["pin"] == pins + 1
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_a_request_reloaded_after_its_async_load_pins_again(tmp_path, monkeypatch, rule):
+    # load_async: the workers release a load's pins once it is done; when
+    # vLLM preempts the request soon after (within pin_seconds/2 of the last
+    # pin) and looks it up again, its hit must be pinned in the pool anew.
+    # Negative control (async_pins_kept, the rule before the fix): the
+    # scheduler's record of the released pins answers the re-lookup and the
+    # hit it serves is not pinned.
+    from vllm_layerwise_patch.pool.faults import FAULTS_ENV
+    from vllm_layerwise_patch.pool.keys import ATTN, group_key
+    from vllm_layerwise_patch.pool.metadata import load_groups, owner_of
+
+    if rule == "old-rule":
+        monkeypatch.setenv(FAULTS_ENV, '{"debug_async_pins_kept": true}')
+    sched = _scheduler(tmp_path, load_async=True)
+    hashes = _committed(sched, 3)
+    be = sched.hits.backend
+    req = _req(hashes, 3 * 4 + 1, rid="a")
+    wanted = sorted(group_key(NS, ATTN, h, 0) for h in hashes) + [
+        group_key(NS, STATE, hashes[2], 0)]
+
+    def pinned():
+        now = struct.pack(">d", time.time())
+        with be._txn() as txn:
+            return sorted(g for g in wanted if be._pinned(txn, g, now))
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 0], [0, 0, 11, 0]))
+    sched.update_state_after_alloc(req, blocks, 12)
+    (spec,) = sched.build_connector_meta(_step()).async_loads
+    assert pinned() == sorted(wanted)
+    # the worker (rank 0, the only one) read the hit and releases its pins
+    # (worker.loads.WorkerLoads.release_pins), then reports the load done
+    be.unpin(load_groups(NS, spec.hashes, [0], True), owner_of("a"))
+    assert pinned() == []
+    sched.update_connector_output(types.SimpleNamespace(finished_recving={"a"}))
+    # preempted at once; looked up again: the same hit
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    assert pinned() == (sorted(wanted) if rule == "fixed" else [])
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+@pytest.mark.parametrize("tp,failing", [(1, {0}), (2, {0, 1}), (2, {1})])
+def test_figures_per_request_count_once_per_engine_whatever_the_tp_size(tmp_path, rule, tp,
+                                                                        failing):
+    # One step of an engine at TP=1 or TP=2 through vLLM's own aggregation:
+    # every rank loaded request "a"'s hit (12 tokens) and committed 2 blocks,
+    # and the asynchronous load of request "b" failed on the ranks
+    # ``failing``.  vLLM's KVOutputAggregator sums the workers' stats and
+    # reports b's failure once; the scheduler side adds its counts; the log
+    # line (PoolStats.reduce) must read the same at TP=2 as at TP=1.
+    # Negative control (stats_every_rank, the rule before the fix): every
+    # rank reports them, vLLM's sums double at TP=2.
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from vllm_layerwise_patch.pool.scheduler.stats import SchedulerSideStats
+    from vllm_layerwise_patch.pool.stats import PoolStats, worker_share
+
+    every_rank = rule == "old-rule"
+    sched = _scheduler(tmp_path, load_async=True)
+    hashes = _committed(sched, 3)
+    req = _req(hashes, 3 * 4 + 1, rid="b")
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 0], [0, 0, 11, 0]))
+    sched.update_state_after_alloc(req, blocks, 12)
+    sched.build_connector_meta(_step())
+    side = SchedulerSideStats(lambda: sched.stats, sched.hits.backend, 4,
+                              failures=not every_rank)
+    side.take()  # (what the lookups counted so far)
+
+    def worker(rank):
+        data = {"hit_tokens": 12, "blocks_saved": 2, "bytes_loaded": 4096,
+                "load_failures": int(rank in failing)}
+        stats = PoolStats(data=worker_share(data, rank, every_rank)).sample_step()
+        return types.SimpleNamespace(kv_connector_output=KVConnectorOutput(
+            kv_connector_stats=stats, finished_recving={"b"},
+            failed_recving={"b"} if rank in failing else set()))
+
+    out = KVOutputAggregator(tp).aggregate([worker(r) for r in range(tp)]).kv_connector_output
+    assert out.failed_recving == {"b"}
+    sched.update_connector_output(out)  # (as vLLM's scheduler hands it over)
+    stats, own = out.kv_connector_stats, side.take()
+    stats = (stats.aggregate(own) if own is not None else stats).reduce()
+    got = (stats["External hit tokens loaded"], stats["Blocks saved"],
+           stats["Requests with failed loads"])
+    if rule == "fixed" or tp == 1:
+        assert got == (12, 2, 1)
+    else:
+        assert got == (24, 4, len(failing))
+
+
+def test_the_scheduler_counts_each_failed_load_once(stored):
+    # a load in a forward fails: vLLM hands the scheduler the failed block
+    # ids (in that step's output; a later step's output may name them
+    # again) - one failed request; then vLLM fails request "z" by policy
+    # 'fail' (finished, no longer tracked) before it hands the scheduler the
+    # output that reports z's failed asynchronous load - counted too.
+    sched, hashes = stored
+    req = _req(hashes, 4 * 4 + 1, rid="s")
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5], [0, 0, 0, 6, 0]))
+    sched.update_state_after_alloc(req, blocks, 16)
+    ids = blocks.get_block_ids()
+    assert len(sched.build_connector_meta(_step([("s", ids, 0)], {"s": 17})).loads) == 1
+    for _ in range(2):
+        sched.update_connector_output(types.SimpleNamespace(invalid_block_ids={2, 6}))
+    assert sched.stats["load_failures"] == 1
+    sched.update_connector_output(types.SimpleNamespace(finished_recving={"z"},
+                                                        failed_recving={"z"}))
+    assert sched.stats["load_failures"] == 2
 
 
 @pytest.mark.parametrize("attr", ["prompt_logprobs", "skip_reading_prefix_cache"])

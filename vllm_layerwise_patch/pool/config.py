@@ -151,6 +151,13 @@ class MooncakeConfig(BaseModel):
     reconnect_seconds: Number = Field(
         default=10.0, gt=0, le=3600,
         description="while the master is unreachable, how often to try again")
+    connect_timeout_seconds: Number = Field(
+        default=5.0, gt=0, le=3600,
+        description="how long a connect attempt waits for the master to answer a request "
+                    "before Mooncake's client setup (which, against a master that accepts "
+                    "connections and never answers, stops the whole process for about ten "
+                    "minutes); a master that does not answer in time is unreachable: "
+                    "`on_backend_unavailable`, then a new attempt every `reconnect_seconds`")
 
 
 class PoolConfig(BaseModel):

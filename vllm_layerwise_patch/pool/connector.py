@@ -144,7 +144,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             avoid_engine_stop(self._sched)
             self._sched_stats = SchedulerSideStats(
                 lambda: self._sched.stats | self._sched.shared_loads.stats, self.backend,
-                self.layout.block_size)
+                self.layout.block_size, failures=not self._sched.faults.stats_every_rank)
             self._describe_namespace()
         else:
             from .worker.forward import PoolWorker

@@ -96,6 +96,10 @@ class CorruptEntry(ValueError):
 class BackendError(RuntimeError):
     """A backend operation failed (I/O, server, injected fault)."""
 
+    #: the backend logged this condition itself, saying what it means (a
+    #: Mooncake master down: once per outage); callers need not say it again
+    announced = False
+
 
 class PoolFull(BackendError):
     """No room for a put, even after eviction: the save is skipped."""

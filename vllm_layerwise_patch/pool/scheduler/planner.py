@@ -86,7 +86,7 @@ class PoolScheduler:
                                        (self.loads_on, self.saves_on)]
                     + (", loads asynchronous" if self.load_async else "")
                     + "; async_scheduling=%s" % self.async_scheduling)
-        self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0}
+        self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0, "load_failures": 0}
 
     def _pin_candidates(self, rid: str):
         """What :meth:`lookup` calls before it verifies a hit's entries: pin
@@ -271,12 +271,15 @@ class PoolScheduler:
             if rid in self._orphans:  # its request ended while loading
                 self._orphans.discard(rid)
                 self.pins.release(rid)
-        failed = {rid for rid in getattr(connector_output, "failed_recving", None) or ()
-                  if rid in self._tracked}
+            elif not self.faults.async_pins_kept:  # the workers released them (.pins)
+                self.pins.handed_over(rid)
+        reported = set(getattr(connector_output, "failed_recving", None) or ())
+        failed = {rid for rid in reported if rid in self._tracked}
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
             failed |= self.records.failed_requests(set(invalid))
         self._failures_seen += sorted(failed)
+        self.stats["load_failures"] += len((failed | reported) - self._load_failed)
         for rid in failed:
             self.shared_loads.ended(rid)
         for rid in sorted(failed - self._load_failed):

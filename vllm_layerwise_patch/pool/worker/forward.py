@@ -217,15 +217,17 @@ class PoolWorker:
         return True
 
     def take_stats(self):
-        """Stats since the last call (vLLM polls once per step), or None."""
+        """Stats since the last call (vLLM polls once per step), or None;
+        the figures per request on TP rank 0 only (``stats.worker_share``)."""
         if self.stats.is_empty():
             return None
-        from ..stats import PoolStats
+        from ..stats import PoolStats, worker_share
 
         # (the parts hold this object: its counts are handed over, not it)
-        out = PoolStats(data=self.stats.data)
+        out = PoolStats(data=worker_share(self.stats.data, self.pages.tp_rank,
+                                          self.faults.stats_every_rank))
         self.stats.reset()
-        return out
+        return None if out.is_empty() else out
 
     def clear(self) -> None:
         self._meta = None
