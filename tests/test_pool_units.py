@@ -529,7 +529,7 @@ def test_pipeline_load_seconds_is_the_transfer_without_the_fence_wait(tmp_path, 
     tasks = {}
     for layer in order:
         key = f"{layer}/1".encode()
-        be.put_many([(key, pack(NS, bytes(range(256))))])
+        be.put_many([(key, pack(NS, key, bytes(range(256))))])
         tasks[layer] = [(key, [caches[layer][1]])]
     pipe = LayerwisePipeline(order, be, NS, prefetch=2, threads=4, delay=DELAY,
                              fence_in_load_seconds=rule == "old-rule")
