@@ -107,7 +107,7 @@ def test_content_rule_sees_one_changed_byte_the_sampled_rule_misses(tmp_path):
 
 _IDENTITY = """
 import json
-from vllm_layerwise_patch.pool import digests
+from vllm_layerwise_patch.pool.identity import digests
 stats = digests.DigestStats()
 d = digests.digest_files({files!r}, stats)
 print("RESULT " + json.dumps({{"digests": d, "read": stats.bytes_read,
