@@ -4,7 +4,9 @@ in test_pool_identity.py):
 * weights: any changed byte gives another identity (negative control: the
   sampled rule misses a change outside its samples); a restart reads
   nothing; processes share the hashing; a Hugging Face blob is named, not
-  read; vLLM's ``download_dir`` is honoured;
+  read; vLLM's ``download_dir`` is honoured; weights that are no file of
+  the model directory (none there, another loader, object storage) are
+  unresolved (the connector's rule for them: test_pool_weight_changes.py);
 * the HF config: a transformers upgrade keeps the namespace (negative
   control: the old whole-config digest changes), a page-relevant field and
   ``kv_cache_layout`` do not;
@@ -103,6 +105,29 @@ def test_content_rule_sees_one_changed_byte_the_sampled_rule_misses(tmp_path):
     assert files == ["model.safetensors"]
     assert weights.weights_identity(str(model), load_format="dummy") == {"rule": "dummy",
                                                                          "resolved": True}
+
+
+def test_weights_the_namespace_cannot_see_are_never_resolved(tmp_path):
+    """What a tensorizer or object-storage start leaves in the model
+    directory (the config, no weights file), a loader that reads weights
+    from elsewhere, weights pulled from object storage: unresolved, with the
+    reason - never an empty list of files called resolved, which left the
+    weights out of the namespace."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    assert weights._content([], str(bare))["resolved"] is False
+    for rule in weights.RULES:
+        got = weights.weights_identity(str(bare), rule=rule)
+        assert got["resolved"] is False and "no weights file" in got["why"], (rule, got)
+    full = tmp_path / "full"
+    _checkpoint(full / "model.safetensors")
+    assert weights.weights_identity(str(full))["resolved"] is True
+    for fmt in weights.FOREIGN_LOADERS:  # files here, but not what is loaded
+        got = weights.weights_identity(str(full), load_format=fmt)
+        assert got["resolved"] is False and fmt in got["why"], got
+    got = weights.weights_identity(str(full), model_weights="s3://bucket/model")
+    assert got["resolved"] is False and "s3://bucket/model" in got["why"]
 
 
 _IDENTITY = """
