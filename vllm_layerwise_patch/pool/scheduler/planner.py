@@ -39,8 +39,9 @@ from .inflight import InflightLoads
 from ..keys import ATTN, STATE, group_key
 from ..layout import PoolLayout
 from .lookup import PoolLookup
-from ..metadata import AttnSave, LoadSpec, PoolMetadata, SaveSpec, load_groups
+from ..metadata import LoadSpec, PoolMetadata, load_groups
 from .pins import Pins
+from .save_plan import plan_saves
 from ..side import PoolSide, kv_roles
 
 logger = logging.getLogger("vllm.layerwise_patch")
@@ -227,7 +228,7 @@ class PoolScheduler:
         try:
             if self.saves_on:
                 self.hits.note_generation()
-                saves = self._plan_saves(steps)
+                saves = plan_saves(steps, self._tracked, self.layout, self.hits)
         except Exception as exc:  # noqa: BLE001 - a missed save only costs a hit
             self.log.warning("save-plan-error", "vllm-layerwise-patch pool: planning saves "
                             "failed (%s: %s); this step's blocks are not stored (further "
@@ -244,44 +245,6 @@ class PoolScheduler:
                 self.pins.refresh(rid)
             except Exception:  # noqa: BLE001 - pins expire after pin_seconds anyway
                 pass
-
-    def _plan_saves(self, steps: list[tuple[str, int, int]]) -> list[SaveSpec]:
-        B, L = self.block_size, self.layout
-        saves = []
-        for req_id, before, n in steps:
-            if n <= 0:
-                continue
-            t = self._tracked[req_id]
-            hashes = t.request.block_hashes
-            nblocks = L.num_blocks(hashes)
-            after = before + n
-            first = max(before // B, t.loaded_end)
-            done = [j for j in range(first, after // B) if j < nblocks]
-            attn, mamba = [], []
-            if done:
-                names = [L.block_hash(hashes, j) for j in done]
-                tokens = [self.hits.next_token(t.request, j) if self.hits.drafter else None
-                          for j in done]
-                known = [(h, tok) for h, tok in zip(names, tokens) if tok is not None]
-                found = iter(self.hits.draft_present(known) if known else [])
-                drafts = [tok is None or next(found) for tok in tokens]
-                for j, h, tok, present, draft in zip(done, names, tokens,
-                                                     self.hits.present(ATTN, names), drafts):
-                    if not present or (tok is not None and not draft):
-                        attn.append(AttnSave(h, self._ids(t, j, ATTN), tok,
-                                             draft_only=present))
-            if after % B == 0 and L.has_state:
-                j = after // B - 1
-                ids = self._ids(t, j, STATE) if j < nblocks else {}
-                # block 0 is vLLM's null block: no state lives there
-                if j >= t.loaded_end and ids and 0 not in ids.values():
-                    h = L.block_hash(hashes, j)
-                    if not self.hits.present(STATE, [h])[0]:
-                        mamba.append((h, ids))
-            if attn or mamba:
-                reads = sorted({b for ids in t.blocks for b in ids} - {0})
-                saves.append(SaveSpec(req_id, attn, mamba, reads))
-        return saves
 
     def report_load_errors(self) -> bool:
         """vLLM takes block load errors itself for one KV cache group; for
@@ -329,10 +292,6 @@ class PoolScheduler:
             self._load_failed.add(rid)
             logger.info("vllm-layerwise-patch pool: request %s recomputes without the "
                         "pool after a failed load", rid)
-
-    def _ids(self, t: _Tracked, col: int, kind: str) -> dict[int, int]:
-        return {g: t.blocks[g][col] for g in self.layout.groups(kind)
-                if col < len(t.blocks[g])}
 
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
