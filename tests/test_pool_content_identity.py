@@ -298,6 +298,7 @@ def _connector(tmp_path, plain_keys=False):
         layout=layout, backend=LmdbBackend(str(tmp_path / "pool"), 64 << 20), namespace=NS,
         config=PoolConfig.from_extra({}))
     conn._adapters = AdapterKeys()
+    conn._weights = None  # (test_pool_weight_changes.py drives weight changes)
     if plain_keys:  # negative control: blocks named by vLLM's hash (adapter name, path)
         conn._adapters.view = lambda request: request
     return conn
@@ -392,3 +393,4 @@ def test_adapter_hashes_follow_the_growing_request():
     req.block_hashes.append(HASHES[2])  # vLLM appends as blocks complete
     assert len(view.block_hashes) == 3 and view.block_hashes[-1] == mix(HASHES[2], b"d" * 16)
     assert view.request_id == "r" and view.num_tokens == 22
+

@@ -71,6 +71,9 @@ class Faults:
     #: the hybrid-block-size guard holds only where alignment ran (the rule
     #: before the engine-core fix: the engine core's block size is reset)
     block_size_guard_alignment_only: bool = False
+    #: the connector ignores weight changes and reset_cache (the rule before
+    #: the fix: one namespace for the engine's life, whatever its weights)
+    weights_change_blind: bool = False
 
     @property
     def active(self) -> list[str]:

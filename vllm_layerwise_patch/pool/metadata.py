@@ -1,8 +1,8 @@
 """What the scheduler side tells the workers each step (the connector
 metadata): the loads and saves it planned (the loads of this step's forward,
 and the asynchronous loads of requests vLLM parks until their KV has
-arrived), and whether a failed load may be reported to vLLM; and the names
-both sides give a load's pins."""
+arrived), the namespace they are named in, and whether a failed load may be
+reported to vLLM; and the names both sides give a load's pins."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ class PoolMetadata(KVConnectorMetadata):
     def __init__(self, loads: list[LoadSpec], saves: list[SaveSpec],
                  report_load_errors: bool = False,
                  async_loads: list[LoadSpec] | None = None,
-                 failures_seen: list[str] | None = None) -> None:
+                 failures_seen: list[str] | None = None,
+                 namespace: bytes | None = None) -> None:
         self.loads = loads
         self.saves = saves
         # load_async: loads that run in the background, outside any forward;
@@ -64,6 +65,10 @@ class PoolMetadata(KVConnectorMetadata):
         # step: they are out of the running (recompute) or finished, and their
         # blocks left vLLM's prefix cache (see worker.quarantine.Quarantine)
         self.failures_seen = failures_seen or []
+        # the namespace of this step's loads and saves: the scheduler's, which
+        # changes when the weights do (scheduler.weight_changes); None: no
+        # change (the pool is off, or the metadata was built elsewhere)
+        self.namespace = namespace
 
 
 def owner_of(req_id: str) -> bytes:

@@ -198,6 +198,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     seconds = []
     for i, phase in enumerate(phases):
         _before_phase(phase)
+        if phase.get("weights"):
+            engine_controls.change_weights(llm, phase["weights"])
         t0 = time.perf_counter()
         served_now = _serve(llm, phase, sp, spec, probe, max_tokens)
         seconds.append(time.perf_counter() - t0)

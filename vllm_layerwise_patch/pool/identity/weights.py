@@ -210,12 +210,15 @@ def _run(entry: dict[str, Any], args: tuple, kw: dict[str, Any]) -> dict[str, An
                      cached=stats.cached, named=stats.named)
 
 
-def submit(vllm_config: Any, rule: str,
-           origin: str = "connector") -> tuple[concurrent.futures.Future, dict[str, Any]]:
-    """The weights identity of ``vllm_config``'s model, computed on the digest
-    thread after any digest already queued there, and its :data:`TRACE`
-    entry."""
+def submit(vllm_config: Any, rule: str, origin: str = "connector",
+           model: str | None = None) -> tuple[concurrent.futures.Future, dict[str, Any]]:
+    """The weights identity of ``vllm_config``'s model (or of the weights
+    files at ``model``: weights reloaded from another path), computed on the
+    digest thread after any digest already queued there, and its
+    :data:`TRACE` entry."""
     args, kw = identity_args(vllm_config, rule)
+    if model is not None:
+        args, kw = (model, None), dict(kw, model_weights=None)
     entry = note({"event": "digest", "origin": origin, "rule": rule,
                   "submitted": time.monotonic(), "error": None})
     return _pool.submit(_run, entry, args, kw), entry

@@ -64,7 +64,7 @@ class PoolWorker:
         from ..stats import PoolStats
 
         side = PoolSide.open(layout=layout, backend=backend, namespace=namespace, config=config)
-        self.backend = backend
+        self.backend, self.ns, self.layout = backend, namespace, layout
         self.faults = side.faults
         self.pages = RankPages(layout, resolve_tp_rank(layout.tp_size))
         self.saves_on = kv_roles(vllm_config)[2]
@@ -97,6 +97,8 @@ class PoolWorker:
     # -- loads -----------------------------------------------------------------
     def begin_step(self, meta: PoolMetadata) -> None:
         self.saves.begin_step()
+        if getattr(meta, "namespace", None) not in (None, self.ns):
+            self.use_namespace(meta.namespace)
         self._meta = meta
         if self.faults.forget_failures:  # the rule before the fix (tests)
             self.quarantine = Quarantine()
@@ -115,6 +117,22 @@ class PoolWorker:
             else:
                 getattr(self._model_state, COPY_ALL, lambda: False)()
             self._precopy_seconds += time.perf_counter() - t0
+
+    def use_namespace(self, ns: bytes) -> None:
+        """The scheduler names loads and saves in another namespace from this
+        step on (the weights changed: .scheduler.weight_changes).  Nothing of
+        the old one is pending: the last step's saves are written
+        (:meth:`begin_step` drained them), its loads are done; asynchronous
+        loads in flight finish under the namespace they started in."""
+        self.ns = ns
+        self.loads.set_namespace(ns)
+        self.async_loads.ns = ns
+        self.saves.set_namespace(ns)
+        set_layout = getattr(self.backend, "set_layout", None)
+        if set_layout is not None:  # (Mooncake: this namespace's block objects)
+            set_layout(ns, self.layout)
+        logger.info("vllm-layerwise-patch pool (worker): namespace %s from this step on "
+                    "(the weights changed)", ns.hex())
 
     def start_load_kv(self) -> None:
         # asynchronous loads start here: after the forward (or in a step

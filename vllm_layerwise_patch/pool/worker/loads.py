@@ -50,6 +50,12 @@ class WorkerLoads:
         # zero-copy loads where possible
         self.pipeline.register_memory(self.pages.caches.values())
 
+    def set_namespace(self, ns: bytes) -> None:
+        """Key loads (and pins) by ``ns`` from now on (between steps)."""
+        self.ns = ns
+        if self.pipeline is not None:
+            self.pipeline.ns = ns
+
     def begin_step(self, meta: PoolMetadata) -> None:
         if meta.loads:
             self.stats.add(hit_tokens=sum(
@@ -192,11 +198,12 @@ class WorkerLoads:
             except Exception:  # noqa: BLE001 - best effort; the lookup drops them too
                 pass
 
-    def release_pins(self, loads: list[LoadSpec]) -> None:
-        """This rank has read what ``loads`` needed: release the scheduler's
-        pins on this rank's groups."""
+    def release_pins(self, loads: list[LoadSpec], ns: bytes | None = None) -> None:
+        """This rank has read what ``loads`` (named in ``ns``, default the
+        current namespace) needed: release the scheduler's pins on this
+        rank's groups."""
         for spec in loads:
-            groups = load_groups(self.ns, spec.hashes, [self.pages.tp_rank],
+            groups = load_groups(ns or self.ns, spec.hashes, [self.pages.tp_rank],
                                  self.layout.has_state)
             try:
                 self.backend.unpin(groups, owner_of(spec.req_id))
