@@ -23,6 +23,7 @@ PATCH_MODULES = (
     "hybrid_load_recompute",
     "weights_digest_during_load",
     "weight_update_namespace",
+    "lora_digest_at_load",
 )
 
 

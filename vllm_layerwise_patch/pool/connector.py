@@ -28,8 +28,10 @@ except ImportError:  # pragma: no cover - older vLLM
 from .identity.adapters import AdapterKeys
 from .backends.base import NoPool
 from .config import PoolConfig, PoolConfigError
+from .faults import faults
 from .identity.namespace import namespace_description, namespace_of
 from .layout import PoolLayout
+from .metadata import AdapterReport
 from .opening import open_backend
 from .identity.weights import start as start_weights_identity
 
@@ -90,6 +92,9 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
     #: to the scheduler when the ``hybrid-load-recompute`` patch is applied
     #: there; it maps them back to requests over every group.
     reports_hybrid_load_errors = True
+    #: the ``lora-digest-at-load`` patch digests the LoRA adapters a worker
+    #: of this connector loads (identity.adapters)
+    checks_lora_adapters = True
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -123,7 +128,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
                            if self.pool_config.namespace_salt else "the pool is not used "
                            "(set namespace_salt to a name that changes whenever these "
                            "weights change, or serve weights files the pool can read)")
-        self._adapters = AdapterKeys()
+        self._adapters = AdapterKeys(files_only=faults().adapter_digest_at_lookup)
         self._sched = self._worker = self._weights = None
         # who holds the pool (`pool clear` asks): where it was opened (the
         # default path, or this user's fallback when another user holds it)
@@ -261,6 +266,10 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         done, failed = self._worker.transfer_results() if self._worker else (set(), set())
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
+    def build_connector_worker_meta(self):
+        """The LoRA adapters this worker holds (identity.adapters)."""
+        return self._worker.adapter_report() if self._worker is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
 
@@ -300,7 +309,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         if self._weights is not None:
             self._weights.follow()
-        view = self._adapters.view(request)
+        view = self._adapters.view(request, async_loads=self._sched.load_async)
         if view is None:  # an adapter that cannot be fingerprinted: no pool
             return 0, False
         return self._sched.get_num_new_matched_tokens(view, num_computed_tokens)
@@ -317,6 +326,9 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._sched is not None:
+            report = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(report, AdapterReport):  # (the adapters the workers hold)
+                self._adapters.learn(report)
             self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]):

@@ -35,6 +35,7 @@ import logging
 from typing import Any
 
 from ..faults import pause_here
+from ..identity.adapters import adapter_of
 from .inflight import InflightLoads
 from ..keys import ATTN, STATE, group_key
 from ..layout import PoolLayout
@@ -118,8 +119,10 @@ class PoolScheduler:
     @staticmethod
     def _reads_cache(request: Any) -> bool:
         """vLLM serves this request from cached KV (not with prompt logprobs
-        or ``skip_reading_prefix_cache``: it computes every prompt token)."""
-        if getattr(request, "skip_reading_prefix_cache", False):
+        or ``skip_reading_prefix_cache``: it computes every prompt token),
+        and the pool may load it (``pool_reads``: .identity.adapters)."""
+        if getattr(request, "skip_reading_prefix_cache", False) \
+                or not getattr(request, "pool_reads", True):
             return False
         sp = getattr(request, "sampling_params", None)
         return getattr(sp, "prompt_logprobs", None) is None
@@ -193,7 +196,8 @@ class PoolScheduler:
         mamba = {g: ids[k - 1] for g, ids in enumerate(block_ids) if kinds[g] == STATE}
         tokens = ([self.hits.next_token(request, i) for i in range(start, k)]
                   if self.hits.drafter else [])
-        spec = LoadSpec(request.request_id, start, k, hashes, attn, mamba, {}, tokens)
+        spec = LoadSpec(request.request_id, start, k, hashes, attn, mamba, {}, tokens,
+                        adapter_of(request))
         if self.load_async:
             self._async_loads.append(spec)
             self._inflight.add(request.request_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Any
 
+from ..identity.adapters import adapter_of
 from ..keys import ATTN, STATE
 from ..metadata import AttnSave, SaveSpec
 
@@ -58,5 +59,5 @@ def plan_saves(steps: list[tuple[str, int, int]], tracked: dict[str, Any], layou
                     mamba.append((h, ids))
         if attn or mamba:
             reads = sorted({b for ids in t.blocks for b in ids} - {0})
-            saves.append(SaveSpec(req_id, attn, mamba, reads))
+            saves.append(SaveSpec(req_id, attn, mamba, reads, adapter_of(t.request)))
     return saves

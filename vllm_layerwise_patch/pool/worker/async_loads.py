@@ -72,10 +72,17 @@ class AsyncLoads:
         # may change meanwhile: the weights changed)
         self._jobs: dict[str, tuple[LoadSpec, cf.Future, bytes]] = {}
         self._todo: list[LoadSpec] = []  # this step's, not started yet
+        self._refused: set[str] = set()  # failed before they started (not reported yet)
 
-    def note(self, meta: PoolMetadata) -> None:
-        """This step's asynchronous loads (started by :meth:`start`)."""
-        self._todo = list(meta.async_loads)
+    def note(self, meta: PoolMetadata, refused: set[str] = frozenset()) -> None:
+        """This step's asynchronous loads (started by :meth:`start`); those of
+        ``refused`` requests never start and are reported failed."""
+        self._todo = [s for s in meta.async_loads if s.req_id not in refused]
+        gone = [s for s in meta.async_loads if s.req_id in refused]
+        if gone:
+            self.loads.release_pins(gone)
+            self.stats.add(load_failures=len(gone))
+            self._refused |= {s.req_id for s in gone}
         if self._todo:
             self.stats.add(hit_tokens=sum((s.end - s.start) * self.block_size
                                           for s in self._todo))
@@ -117,8 +124,8 @@ class AsyncLoads:
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(requests whose asynchronous loads are done, those of them that
         failed)."""
-        done: set[str] = set()
-        failed: set[str] = set()
+        failed, self._refused = self._refused, set()
+        done = set(failed)
         for rid, (spec, fut, ns) in list(self._jobs.items()):
             if not fut.done():
                 continue

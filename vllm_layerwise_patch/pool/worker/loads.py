@@ -36,6 +36,7 @@ class WorkerLoads:
         self.pipeline: LayerwisePipeline | None = None  # once the caches are registered
         self.owners: dict[str, list[list[str]]] = {}  # per layer: who each item serves
         self.failed: set[str] = set()  # requests whose loads failed this step
+        self.refused: set[str] = set()  # ... of which not even started
         self._debug_failed = False
 
     def open(self) -> None:
@@ -56,11 +57,16 @@ class WorkerLoads:
         if self.pipeline is not None:
             self.pipeline.ns = ns
 
-    def begin_step(self, meta: PoolMetadata) -> None:
+    def begin_step(self, meta: PoolMetadata, refused: set[str] = frozenset()) -> None:
+        """``refused``: requests whose loads must not run (their adapter copy
+        here is not the one named): failed loads from the start."""
+        self.refused = {s.req_id for s in meta.loads} & set(refused)
         if meta.loads:
-            self.stats.add(hit_tokens=sum(
-                (s.end - s.start) * self.layout.block_size for s in meta.loads))
-        self.failed = set()
+            self.stats.add(hit_tokens=sum((s.end - s.start) * self.layout.block_size
+                                          for s in meta.loads if s.req_id not in self.refused))
+        if self.refused:
+            self.stats.add(load_failures=len(self.refused))
+        self.failed = set(self.refused)
 
     def start(self, meta: PoolMetadata) -> None:
         """Layerwise: this step's loads start now, waited for layer by layer."""
@@ -96,7 +102,8 @@ class WorkerLoads:
         each key read once however many requests load it (requests sharing a
         prefix in one step); ``self.owners[layer][i]`` lists the requests
         item ``i`` serves."""
-        tasks, self.owners = self.plan(meta.loads, bulk)
+        tasks, self.owners = self.plan([s for s in meta.loads if s.req_id not in self.refused],
+                                       bulk)
         return tasks
 
     def plan(self, loads: list[LoadSpec], bulk: bool
