@@ -271,3 +271,27 @@ def test_a_reload_from_files_names_new_pages_and_retires_older_requests(tmp_path
         conn.on_weights_change("after", *call, ok=ok)
         assert conn._weights._deriving is None and conn._sched.ns is None, call
         assert _serve(conn, "r5")[0] == (0, False)
+
+
+def test_a_reload_is_named_only_once_it_returned(tmp_path):
+    """The files' digest starts with the reload and may be done before vLLM
+    has loaded them (a digest kept from an earlier start): the namespace is
+    adopted once the reload returned, never during it, and not at all when
+    it failed."""
+    from vllm_layerwise_patch.pool.identity.weights import weights_identity
+    from vllm_layerwise_patch.testing import build_tiny_qwen3_next
+
+    w1 = build_tiny_qwen3_next(tmp_path / "w1", seed=1, tokenizer=False)
+    weights_identity(str(w1))  # (its digest is kept: the next one is instant)
+    conn = _connector(tmp_path, {"resolved": True, "rule": "content", "files": []})
+    call = ("reload_weights", (), {"weights_path": str(w1)})
+    for ok in (False, True):
+        conn.on_weights_change("before", *call)
+        conn._weights._deriving[0].result(timeout=60)
+        conn._weights.follow()  # (a lookup during the call)
+        assert conn._sched.ns is None
+        conn.on_weights_change("after", *call, ok=ok)
+        if conn._weights._deriving is not None:
+            conn._weights._deriving[0].result(timeout=60)
+            conn._weights.follow()
+        assert (conn._sched.ns is not None) == ok, ok

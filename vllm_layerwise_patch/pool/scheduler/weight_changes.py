@@ -82,6 +82,7 @@ class WeightChanges:
         self.ns: bytes | None = None
         self.why_off: str | None = None
         self._said: set[tuple[str, str]] = set()
+        self._changing = False  # between "before" and "after": nothing is adopted
         self._adopt(description)
         self.follow()
 
@@ -128,7 +129,7 @@ class WeightChanges:
     def before(self, method: str, args: tuple, kwargs: dict[str, Any]) -> None:
         """``method`` is about to change the weights.  A reload from files:
         their digest starts now, while vLLM reads them (as at start-up)."""
-        self._deriving = None
+        self._deriving, self._changing = None, True
         self._off(f"{method} is changing the weights")
         path = self._from_files(method, reload_params(args, kwargs))
         if path is not None:
@@ -137,6 +138,7 @@ class WeightChanges:
 
     def after(self, method: str, args: tuple, kwargs: dict[str, Any], ok: bool) -> None:
         """``method`` returned (``ok``) or raised."""
+        self._changing = False
         params = reload_params(args, kwargs) if method == "reload_weights" else {}
         path = self._from_files(method, params)
         if ok and path is not None and self._deriving is not None:
@@ -167,7 +169,7 @@ class WeightChanges:
         return True
 
     def _reset(self) -> None:
-        self._deriving = None
+        self._deriving, self._changing = None, False
         self._off("reset_cache (vLLM's reset_prefix_cache(reset_connector=True), run "
                   "around weight updates, by pause_generation and sleep): the weights may "
                   "have changed in a way the pool cannot see")
@@ -176,8 +178,10 @@ class WeightChanges:
                        self.why_off)
 
     def poll(self) -> None:
-        """Adopt a finished derivation (cheap when none is running)."""
-        if self._deriving is None or not self._deriving[0].done():
+        """Adopt a finished derivation (cheap when none is running) - not
+        while the weights are being changed: the files may be digested
+        before vLLM has loaded them."""
+        if self._changing or self._deriving is None or not self._deriving[0].done():
             return
         (future, path), self._deriving = self._deriving, None
         try:
