@@ -58,7 +58,7 @@ import time
 import torch
 
 from vllm_layerwise_patch.bench.transfer import memcpy_seconds
-from vllm_layerwise_patch.pool.backends.base import pack
+from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE, pack
 from vllm_layerwise_patch.pool.keys import ATTN, marker_key, page_key
 from vllm_layerwise_patch.pool.worker.pipeline import LayerwisePipeline
 from vllm_layerwise_patch.pool.worker.send_thread import PackArena
@@ -132,7 +132,6 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str,
     # packed as the worker's send thread packs them (the pack memory offered
     # to the backend: Mooncake block objects are put straight from it)
     arena = PackArena(NS, lambda ptr, size: be.register_memory(ptr, size, saves=True))
-    values = {(n, b): arena.pack(src[n][b]) for n in order for b in range(blocks)}
     pipe = LayerwisePipeline(order, be, NS, prefetch=2, threads=2, check_crc=False)
     pipe.register_memory(dest.values())  # as the worker does with its KV cache
     pairs = [(dest[n], src[n]) for n in order]
@@ -146,7 +145,7 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str,
 
     def fetch(keys_by_layer) -> None:  # into the backend's buffer only
         for keys in keys_by_layer:
-            be.read_many(keys, lambda *_: None, [len(values[(order[0], 0)])] * len(keys))
+            be.read_many(keys, lambda *_: None, [HEADER_SIZE + page] * len(keys))
 
     fetches = kind.startswith("mooncake")
     rpcs: dict[str, float] = {}
@@ -159,10 +158,11 @@ def run_case(kind: str, cluster, page: int, total: int, repeats: int, tmp: str,
 
     for r in range(repeats):
         hashes = [f"{kind}/{layers}/{page}/{r}/{b}".encode() for b in range(blocks)]
-        items = [(page_key(NS, ATTN, hashes[b], 0, str(i)), values[(n, b)])
-                 for i, n in enumerate(order) for b in range(blocks)]
+        arena.reset()  # (each pass's values name its keys: packed again, not timed)
+        items = [(k, arena.pack(k, src[n][b])) for i, n in enumerate(order)
+                 for b in range(blocks) for k in (page_key(NS, ATTN, hashes[b], 0, str(i)),)]
         markers = [marker_key(NS, ATTN, h, 0) for h in hashes]
-        items += [(m, pack(NS, b"")) for m in markers]
+        items += [(m, pack(NS, m, b"")) for m in markers]
         timed("save", lambda: counted("save", lambda: be.put_many(items)))
         tasks = {n: [(page_key(NS, ATTN, hashes[b], 0, str(i)), [dest[n][b]])
                      for b in range(blocks)] for i, n in enumerate(order)}

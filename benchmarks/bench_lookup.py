@@ -42,13 +42,13 @@ def scheduler(path: str, ttl: float) -> PoolScheduler:
 
 
 def fill(sched: PoolScheduler, hashes: list[bytes]) -> None:
-    page = pack(NS, os.urandom(PAGE))
+    page = os.urandom(PAGE)
     items = []
     for h in hashes:
-        items += [(page_key(NS, ATTN, h, 0, "3"), page), (marker_key(NS, ATTN, h, 0), pack(NS, b""))]
+        items += [(page_key(NS, ATTN, h, 0, "3"), page), (marker_key(NS, ATTN, h, 0), b"")]
         items += [(page_key(NS, STATE, h, 0, str(i)), page) for i in range(3)]
-        items += [(marker_key(NS, STATE, h, 0), pack(NS, b""))]
-    sched.hits.backend.put_many(items)
+        items += [(marker_key(NS, STATE, h, 0), b"")]
+    sched.hits.backend.put_many([(k, pack(NS, k, v)) for k, v in items])
 
 
 def run(ttl: float, requests: int, tmp: str) -> dict:

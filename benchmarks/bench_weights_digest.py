@@ -36,7 +36,7 @@ _CHILD = """
 import json, sys, time
 from vllm import LLM
 from vllm_layerwise_patch.testing.engine_child import _llm_kwargs
-from vllm_layerwise_patch.pool import weights
+from vllm_layerwise_patch.pool.identity import weights
 from vllm_layerwise_patch.testing.engine_controls import observe_weight_reading
 spec = json.loads(sys.argv[1])
 observe_weight_reading()

@@ -339,12 +339,12 @@ def _serve_and_store(conn, req):
     for save in meta.saves:
         for a in save.attn:
             names.append(a.hash)
-            items += [(page_key(NS, ATTN, a.hash, 0, "0"), pack(NS, b"k")),
-                      (marker_key(NS, ATTN, a.hash, 0), pack(NS, b""))]
+            items += [(page_key(NS, ATTN, a.hash, 0, "0"), b"k"),
+                      (marker_key(NS, ATTN, a.hash, 0), b"")]
         for h, _ in save.mamba:
-            items += [(page_key(NS, STATE, h, 0, "1"), pack(NS, b"s")),
-                      (marker_key(NS, STATE, h, 0), pack(NS, b""))]
-    conn._sched.hits.backend.put_many(items)
+            items += [(page_key(NS, STATE, h, 0, "1"), b"s"),
+                      (marker_key(NS, STATE, h, 0), b"")]
+    conn._sched.hits.backend.put_many([(k, pack(NS, k, v)) for k, v in items])
     conn.request_finished(req, [])
     return names
 

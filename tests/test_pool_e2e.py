@@ -181,6 +181,11 @@ def test_corrupted_entries_are_detected_and_recomputed(tiny_model_dir, work, bas
         by_kind.setdefault(k.split(b"/")[1], []).append(k)
     attn, state = by_kind[b"attn"], by_kind[b"state"]
     flipped, truncated, foreign = state[0], attn[0], attn[-1]
+    # a sound value of another key: another block's state page of the same
+    # layer (what a wrong slot would return; every part of its header valid)
+    swapped = state[-1]
+    source = next(k for k in state if k not in (flipped, swapped)
+                  and k.rpartition(b"/")[2] == swapped.rpartition(b"/")[2])
 
     def corrupt(txn):
         v = bytearray(txn.get(flipped))
@@ -191,6 +196,7 @@ def test_corrupted_entries_are_detected_and_recomputed(tiny_model_dir, work, bas
         v = bytearray(txn.get(foreign))
         v[HEADER_SIZE - 16:HEADER_SIZE] = b"F" * 16  # another namespace in the header
         txn.put(foreign, bytes(v))
+        txn.put(swapped, txn.get(source))  # another block's page
 
     _tamper(pool["path"], corrupt)
     res = engine(tiny_model_dir, work, [P, P], pool=pool)
@@ -198,8 +204,39 @@ def test_corrupted_entries_are_detected_and_recomputed(tiny_model_dir, work, bas
     assert toks(res)[0] == toks(baseline)[0]
     assert res["out"][0]["cached"] < 3 * BLOCK  # the hit was shortened
     log = res["log"]
-    for kind in ("checksum", "truncated", "foreign-namespace"):
+    for kind in ("checksum", "truncated", "foreign-namespace", "other-key"):
         assert len(re.findall(rf": {kind}: ", log)) == 1, (kind, log[-3000:])
+
+
+@pytest.mark.parametrize("blind", [False, True], ids=["checked", "control-key-blind"])
+def test_a_page_of_another_block_is_never_served(tiny_model_dir, work, pool_a, baseline,
+                                                 blind):
+    # On a copy of engine A's pool, one block's attention page is replaced by
+    # another block's page of the same layer: the value a wrong slot returns
+    # (its header, namespace, length and checksum all sound).  The lookup's
+    # check drops that block and P recomputes from there: a cold run's
+    # tokens and logprobs.  Negative control: the header checked without the
+    # key (the rule before value format 4) serves it - other logprobs.
+    pool = dict(pool_a, path=str(work / f"pool-other-key-{blind}"),
+                debug_value_key_blind=blind)
+    shutil.copytree(work / "pool-a", pool["path"])
+    keys = []
+    _tamper(pool["path"], lambda txn: keys.extend(k for k, _ in txn.cursor()))
+    attn = sorted(k for k in keys if k.split(b"/")[1] == b"attn" and b"/L" in k
+                  and b"@" not in k)
+    swapped = attn[-1]
+    source = next(k for k in attn if k != swapped
+                  and k.rpartition(b"/")[2] == swapped.rpartition(b"/")[2])
+    _tamper(pool["path"], lambda txn: txn.put(swapped, txn.get(source)))
+    res = engine(tiny_model_dir, work, [P], pool=pool)
+    assert res["error"] is None, res["error"]
+    found = re.findall(r": other-key: ", res["log"])
+    if blind:
+        assert res["out"][0]["cached"] == 3 * BLOCK and not found
+        assert toks(res)[0] != toks(baseline)[0]  # served from another block's page
+    else:
+        assert res["out"][0]["cached"] < 3 * BLOCK and len(found) == 1
+        assert toks(res)[0] == toks(baseline)[0]
 
 
 def test_pool_smaller_than_working_set_evicts_and_stays_correct(tiny_model_dir, work,

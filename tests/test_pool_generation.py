@@ -28,25 +28,34 @@ CAPACITY = 8 << 20
 BLOCKS = 4
 
 
-def _scheduler(path):
+HASHES = [bytes([i]) * 8 for i in range(BLOCKS)]
+
+
+def _store(backend, ns: bytes = NS, value=pack) -> None:
+    """Commit BLOCKS blocks (one attention and one state layer) of ``ns``,
+    each value ``value(ns, key, payload)`` (as this build writes it)."""
+    items = []
+    for h in HASHES:
+        for kind, layer in ((ATTN, "0"), (STATE, "1")):
+            items += [(page_key(ns, kind, h, 0, layer), b"x" * 8),
+                      (marker_key(ns, kind, h, 0), b"")]
+    backend.put_many([(k, value(ns, k, v)) for k, v in items])
+
+
+def _scheduler(path, ns: bytes = NS, store: bool = True):
     """Block 4 tokens, one attention and one state layer; BLOCKS blocks
-    committed.  Returns the scheduler and a request covering them."""
+    committed (``store``).  Returns the scheduler and a request covering them."""
     from vllm_layerwise_patch.pool.layout import PoolLayout
     from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 
     layout = PoolLayout(kinds=(ATTN, STATE), block_size=4, hash_block_size=4,
                         group_layers=(("model.layers.0.x",), ("model.layers.1.x",)))
     sched = PoolScheduler(vllm_config=types.SimpleNamespace(kv_transfer_config=None),
-                          layout=layout, backend=LmdbBackend(path, CAPACITY), namespace=NS,
+                          layout=layout, backend=LmdbBackend(path, CAPACITY), namespace=ns,
                           config=PoolConfig.from_extra({}))
-    hashes = [bytes([i]) * 8 for i in range(BLOCKS)]
-    items = []
-    for h in hashes:
-        for kind, layer in ((ATTN, "0"), (STATE, "1")):
-            items += [(page_key(NS, kind, h, 0, layer), pack(NS, b"x" * 8)),
-                      (marker_key(NS, kind, h, 0), pack(NS, b""))]
-    sched.hits.backend.put_many(items)
-    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=BLOCKS * 4 + 1,
+    if store:
+        _store(sched.hits.backend, ns)
+    req = types.SimpleNamespace(block_hashes=HASHES, num_tokens=BLOCKS * 4 + 1,
                                 request_id="r")
     return sched, req
 
@@ -70,7 +79,8 @@ if {how!r} == "delete":
     be.delete_groups([{group!r}])
 else:  # evict: fill the pool until its oldest groups (the reader's) go
     for i in range(64):
-        be.put_many([(b"fill/%04d/tp0/L0" % i, pack({ns!r}, bytes(512 << 10)))])
+        key = b"fill/%04d/tp0/L0" % i
+        be.put_many([(key, pack({ns!r}, key, bytes(512 << 10)))])
 print("done", flush=True)
 """
 
@@ -118,7 +128,7 @@ def test_a_writer_killed_between_a_removal_and_its_generation_bump(tmp_path, how
     # the killed writer left the removal counter odd: hits are not cached
     # (each lookup asks the pool) until the next store settles it
     assert _cached_lookup(sched, req)[1] > 0
-    sched.hits.backend.put_many([(b"other/tp0/L0", pack(NS, b"y"))])
+    sched.hits.backend.put_many([(b"other/tp0/L0", pack(NS, b"other/tp0/L0", b"y"))])
     assert _cached_lookup(sched, req)[1] > 0
     assert _cached_lookup(sched, req) == (expect, 0)
 
@@ -142,14 +152,9 @@ def test_a_recreated_generation_file_is_noticed_by_readers_and_writers(tmp_path)
     assert _cached_lookup(sched, req)[0] == 2
 
 
-def test_pools_of_builds_with_another_value_header_are_other_namespaces():
-    # The value header went to version 3 under key format 3, the format of
-    # the version-2 builds: those builds and this one shared namespaces, and
-    # each dropped the other's groups as damaged.  The header's version is
-    # now part of the format every namespace covers.
-    from vllm_layerwise_patch.pool.backends.base import VERSION
+def _description() -> dict:
+    """A namespace description of this build (a model that does not exist)."""
     from vllm_layerwise_patch.pool.identity.namespace import namespace_description
-    from vllm_layerwise_patch.pool.identity.namespace import FORMAT
     from vllm_layerwise_patch.pool.layout import PoolLayout
 
     layout = PoolLayout(kinds=(ATTN,), block_size=4, hash_block_size=4,
@@ -159,6 +164,57 @@ def test_pools_of_builds_with_another_value_header_are_other_namespaces():
                                            revision=None, quantization=None, dtype="bf16"),
         cache_config=types.SimpleNamespace(cache_dtype="auto",
                                            prefix_caching_hash_algo="sha256"))
-    described = namespace_description(vc, types.SimpleNamespace(kv_cache_groups=[]), layout)
+    return namespace_description(vc, types.SimpleNamespace(kv_cache_groups=[]), layout)
+
+
+def test_pools_of_builds_with_another_value_header_are_other_namespaces():
+    # The value header went to version 3 under key format 3, the format of
+    # the version-2 builds: those builds and this one shared namespaces, and
+    # each dropped the other's groups as damaged.  The header's version is
+    # now part of the format every namespace covers.
+    from vllm_layerwise_patch.pool.backends.base import VERSION
+    from vllm_layerwise_patch.pool.identity.namespace import FORMAT
+
+    described = _description()
     assert described["format"] == FORMAT != 3
     assert VERSION in FORMAT
+
+
+def _format3_value(ns: bytes, key: bytes, payload: bytes) -> bytes:
+    """A value as the builds of value format 3 wrote it: its header names no
+    key (8 bytes of padding where the key digest is now)."""
+    import struct
+
+    from vllm_layerwise_patch.pool.backends.base import CHECKSUMS, WRITE_CHECKSUM
+
+    return struct.pack("<4sBBHQQ8x16s", b"VLPV", 3, WRITE_CHECKSUM, 0, len(payload),
+                       CHECKSUMS[WRITE_CHECKSUM](payload), ns) + payload
+
+
+def test_an_lmdb_pool_written_before_values_named_their_keys_is_never_read(tmp_path):
+    # Value format 4 puts the key's digest in every header; the entries a
+    # format-3 build wrote (which a wrong slot could pass for) live under
+    # other namespaces: a pool written before starts empty once.  Fails on
+    # the format-3 build: its namespace is this one.
+    from vllm_layerwise_patch.pool import admin
+    from vllm_layerwise_patch.pool.identity.namespace import namespace_of
+    from vllm_layerwise_patch.pool.keys import KEY_VERSION
+
+    described = _description()
+    new, old = namespace_of(described), namespace_of(dict(described, format=[KEY_VERSION, 3]))
+    assert old != new
+    sched, req = _scheduler(str(tmp_path / "pool"), ns=new, store=False)
+    be = sched.hits.backend
+    _store(be, old, _format3_value)  # what the format-3 build left in the pool
+    assert be.exists_many([marker_key(old, ATTN, HASHES[0], 0)]) == [True]
+    assert sched.hits.lookup(req, 0) == 0  # never read: another namespace
+    # `pool verify` lists them (its --drop empties the pool of them)
+    damaged = admin.verify(be)["damaged"]
+    assert len(damaged) == 2 * BLOCKS and {d["kind"] for v in damaged.values() for d in v} \
+        == {"bad-header"}
+    # and were one under this build's keys, its header is refused
+    _store(be, new, _format3_value)
+    assert sched.hits.lookup(req, 0) == 0 and sched.log.seen == {"bad-header"}
+    # negative control: this build's values under the same keys are hits
+    _store(be, new)
+    assert sched.hits.lookup(req, 0) == BLOCKS

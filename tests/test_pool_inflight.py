@@ -38,10 +38,10 @@ def _committed(sched, n, first=0):
     items = []
     for kind in (ATTN, STATE):
         for h in hashes:
-            items += [(page_key(NS, kind, h, 0, layer), pack(NS, b"x" * 8))
+            items += [(page_key(NS, kind, h, 0, layer), b"x" * 8)
                       for layer in sched.hits.target[kind]]
-            items.append((marker_key(NS, kind, h, 0), pack(NS, b"")))
-    sched.hits.backend.put_many(items)
+            items.append((marker_key(NS, kind, h, 0), b""))
+    sched.hits.backend.put_many([(k, pack(NS, k, v)) for k, v in items])
     return hashes
 
 

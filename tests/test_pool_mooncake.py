@@ -10,6 +10,7 @@ is the oracle (DESIGN §9).
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -38,6 +39,11 @@ def mc_config(master, **kw):
     return {"backend": "mooncake", "mooncake": mooncake}
 
 
+def kv(key: bytes, payload: bytes) -> tuple[bytes, bytes]:
+    """An item of a put: ``key`` and its value."""
+    return key, pack(NS, key, payload)
+
+
 def backend(master, **kw):
     from vllm_layerwise_patch.pool.backends.mooncake.backend import MooncakeBackend
 
@@ -57,7 +63,7 @@ def wait_until_storing(master: str, timeout: float = 120.0, in_a_row: int = 8) -
         try:
             be = backend(master)
             try:
-                be.put_many([(b"probe%d/x/L0" % n, pack(NS, b"p" * 4096))])
+                be.put_many([kv(b"probe%d/x/L0" % n, b"p" * 4096)])
                 done += 1
             finally:
                 be.close()
@@ -78,14 +84,14 @@ def cluster(tmp_path_factory):
 
 def test_put_get_exists_upsert_and_group_delete(cluster):
     be = backend(cluster.master_address)
-    be.put_many([(b"t1/g/L0", pack(NS, b"a" * 1000)), (b"t1/g/commit", pack(NS, b"")),
-                 (b"t1/h/L0", pack(NS, b"b" * 10))])
+    be.put_many([kv(b"t1/g/L0", b"a" * 1000), kv(b"t1/g/commit", b""),
+                 kv(b"t1/h/L0", b"b" * 10)])
     assert be.exists_many([b"t1/g/L0", b"t1/g/commit", b"t1/nope"]) == [True, True, False]
     got = be.get_many([b"t1/g/L0", b"t1/nope"], [2000, 2000])
-    assert bytes(unpack(b"k", got[0], NS)) == b"a" * 1000 and got[1] is None
+    assert bytes(unpack(b"t1/g/L0", got[0], NS)) == b"a" * 1000 and got[1] is None
     # Mooncake's put keeps an existing value; the backend replaces it (upsert)
-    be.put_many([(b"t1/g/L0", pack(NS, b"c" * 1000))])
-    assert bytes(unpack(b"k", be.get_many([b"t1/g/L0"])[0], NS)) == b"c" * 1000
+    be.put_many([kv(b"t1/g/L0", b"c" * 1000)])
+    assert bytes(unpack(b"t1/g/L0", be.get_many([b"t1/g/L0"])[0], NS)) == b"c" * 1000
     # a value larger than the reader said: no bytes of it reach the caller
     seen = []
     be.read_many([b"t1/g/L0"], lambda i, k, v: seen.append(v if v is None else bytes(v)),
@@ -107,8 +113,8 @@ def test_drafter_markers_are_put_after_their_pages(cluster):
     calls, real = [], be.plain.upsert
     be.plain.upsert = lambda store, items: (calls.append([k for k, _ in items]),
                                             real(store, items))[1]
-    items = [(b"t9/g/commit@17", pack(NS, b"")), (b"t9/g/commit", pack(NS, b"")),
-             (b"t9/g/L0@17", pack(NS, b"d" * 100)), (b"t9/g/L0", pack(NS, b"a" * 100))]
+    items = [kv(b"t9/g/commit@17", b""), kv(b"t9/g/commit", b""),
+             kv(b"t9/g/L0@17", b"d" * 100), kv(b"t9/g/L0", b"a" * 100)]
     be.put_many(items)
     assert calls == [[b"t9/g/L0@17", b"t9/g/L0"], [b"t9/g/commit@17", b"t9/g/commit"]]
     assert be.exists_many([k for k, _ in items]) == [True] * 4
@@ -134,19 +140,20 @@ def test_saves_go_to_the_segment_this_process_holds_first(cluster, prefer):
     # every put succeeds.  Negative control: without the preference Mooncake
     # spreads them (it does not fill this segment first by chance).
     probe = backend(cluster.master_address)  # holds nothing: its put goes to the holder
-    probe.put_many([(b"t5%d/probe/L0" % prefer, pack(NS, b"p"))])
+    probe.put_many([kv(b"t5%d/probe/L0" % prefer, b"p")])
     holder = placement(probe, [b"t5%d/probe/L0" % prefer])[0]
     probe.close()
     be = backend(cluster.master_address, global_segment_size="32MiB",
                  prefer_local_segment=prefer)
     be.mount_segment()
     keys = [b"t5%d/g%d/L0" % (prefer, i) for i in range(48)]
-    be.put_many([(k, pack(NS, bytes([i]) * (1 << 20))) for i, k in enumerate(keys)])
+    be.put_many([kv(k, bytes([i]) * (1 << 20)) for i, k in enumerate(keys)])
     here = [w != holder for w in placement(be, keys)]
     assert not all(here), "a 32 MiB segment cannot hold 48 MiB"
     assert all(here[:24]) is prefer, here
     got = be.get_many(keys, [(1 << 20) + 64] * len(keys))
-    assert [bytes(unpack(b"k", v, NS))[:1] for v in got] == [bytes([i]) for i in range(48)]
+    assert [bytes(unpack(k, v, NS))[:1] for k, v in zip(keys, got)] == \
+        [bytes([i]) for i in range(48)]
     be.delete(keys)
     be.close()
 
@@ -156,7 +163,7 @@ def test_no_segment_is_pool_full_and_no_marker_is_written(tmp_path):
     try:
         be = backend(lm.master_address)
         with pytest.raises(PoolFull, match="no segment"):
-            be.put_many([(b"t2/g/L0", pack(NS, b"a" * 1000)), (b"t2/g/commit", pack(NS, b""))])
+            be.put_many([kv(b"t2/g/L0", b"a" * 1000), kv(b"t2/g/commit", b"")])
         assert be.exists_many([b"t2/g/commit"]) == [False]
         be.close()
     finally:
@@ -169,7 +176,7 @@ def test_master_down_fails_fast_and_reconnects(tmp_path):
     lm = local(tmp_path)
     try:
         be = backend(lm.master_address)
-        be.put_many([(b"t3/g/L0", pack(NS, b"a" * 100))])
+        be.put_many([kv(b"t3/g/L0", b"a" * 100)])
         lm.kill("master")
         with pytest.raises(BackendUnavailable, match=lm.master_address):
             be.exists_many([b"t3/g/L0"])
@@ -184,7 +191,7 @@ def test_master_down_fails_fast_and_reconnects(tmp_path):
             time.sleep(0.2)
         while True:
             try:
-                be.put_many([(b"t3/g/L1", pack(NS, b"b" * 100))])
+                be.put_many([kv(b"t3/g/L1", b"b" * 100)])
                 break
             except BackendUnavailable:
                 assert time.monotonic() < deadline, "no reconnect"
@@ -243,19 +250,24 @@ class _SlowMaster:
 
 def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
     # Every reconnect_seconds, while the master is down, a background thread
-    # attempts to reach it again: Mooncake's setup (about 90 s against a
-    # master that accepts connections and never answers) or a probe of the
-    # client (its RPC time-outs).  The caller - the scheduler's lookup, a
-    # worker's load - fails at once meanwhile, and one attempt runs at a time.
+    # attempts to reach it again: Mooncake's setup or a probe of the client
+    # (its RPC time-outs), once the master answered a request.  The caller -
+    # the scheduler's lookup, a worker's load - fails at once meanwhile, and
+    # one attempt runs at a time.  (The stand-in lets go of the interpreter
+    # lock while it hangs, which Mooncake's own calls do not: the request
+    # answered first is what keeps a master that never answers from them,
+    # see test_a_silent_master_...)
     import socket
     import threading
 
     import mooncake.store
 
+    from vllm_layerwise_patch.pool.backends.mooncake import connection
     from vllm_layerwise_patch.pool.backends.mooncake.backend import BackendUnavailable
 
     listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     master = f"127.0.0.1:{listener.getsockname()[1]}"
+    monkeypatch.setattr(connection, "master_answers", lambda *a: None)  # (see above)
     monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", _SlowMaster)
     monkeypatch.setattr(_SlowMaster, "answer", threading.Event())
     be = backend(master, reconnect_seconds=0.05)  # setup fails: down from the start
@@ -291,8 +303,8 @@ def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
         assert back_up() == [False]
         # connected; the master goes away and its probe hangs
         _SlowMaster.answer.clear()
+        attempts = be.attempts  # (before: the watcher that just reconnected may go on)
         be.conn.mark_down("test: master gone")
-        attempts = be.attempts
         for _ in range(5):
             fails_at_once()
             time.sleep(0.1)
@@ -303,6 +315,121 @@ def test_the_reconnect_attempt_never_blocks_the_caller(monkeypatch):
         _SlowMaster.answer.set()
         be.close()
         listener.close()
+
+
+class SilentMaster:
+    """A master that accepts connections and never answers: a plain TCP
+    listener (the real ``mooncake_master`` cannot be made to hang this way).
+    Mooncake's client setup against it retries for minutes."""
+
+    def __init__(self):
+        import socket
+
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def close(self):
+        self.listener.close()
+
+
+SILENT_CHILD = """
+import sys, time
+from vllm_layerwise_patch.pool.backends.mooncake.backend import MooncakeBackend
+from vllm_layerwise_patch.pool.config import PoolConfig
+cfg = PoolConfig.from_extra({extra!r})
+t0 = time.monotonic()
+MooncakeBackend(cfg.mooncake, on_unavailable="recompute")
+print("built in", round(time.monotonic() - t0, 2), flush=True)
+"""
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_a_silent_master_at_startup_is_waited_for_at_most_connect_timeout_seconds(
+        tmp_path, rule):
+    # The real Mooncake client, in a process of its own, against a master
+    # that accepts connections and never answers: the backend is built
+    # within the bound (down: the engine starts without the pool).
+    # Negative control (mooncake_setup_unprobed, the rule before the fix:
+    # setup once the port accepts a connection): Mooncake's setup holds the
+    # process far past the bound (it retries 20 times, 30 s each).
+    import json
+    import subprocess
+    import sys
+
+    from vllm_layerwise_patch.pool.faults import FAULTS_ENV
+
+    silent, bound, wait = SilentMaster(), 2.0, 20.0
+    env = dict(os.environ, MC_FORCE_TCP="1", MC_TCP_BIND_ADDRESS="127.0.0.1")
+    env.pop(FAULTS_ENV, None)
+    if rule == "old-rule":
+        env[FAULTS_ENV] = json.dumps({"debug_mooncake_setup_unprobed": True})
+    code = SILENT_CHILD.format(extra=mc_config(silent.address, connect_timeout_seconds=bound))
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, cwd=str(tmp_path))
+    try:
+        out, _ = child.communicate(timeout=wait)
+    except subprocess.TimeoutExpired:
+        out = None
+    finally:
+        child.kill()
+        child.wait()
+        silent.close()
+    if rule == "fixed":
+        assert out is not None and out.startswith("built in"), out
+        assert bound * 0.9 <= float(out.split()[-1]) < bound + 3, out
+    else:
+        assert out is None, f"Mooncake's setup returned within {wait:g} s: {out}"
+
+
+def test_a_silent_master_is_down_and_never_stops_the_process():
+    # In this process: every operation fails at once, and the attempts to
+    # reach the master again (every reconnect_seconds, each waiting for the
+    # answer at most connect_timeout_seconds) never hold the other threads;
+    # on_backend_unavailable='fail' stops the start naming the master.
+    from vllm_layerwise_patch.pool.backends.mooncake.backend import (BackendUnavailable,
+                                                                     MooncakeBackend)
+
+    silent = SilentMaster()
+    try:
+        be = backend(silent.address, connect_timeout_seconds=1, reconnect_seconds=0.2)
+        try:
+            assert be.conn.down and be.conn.store is None
+            gaps, last = [], time.monotonic()
+            deadline = last + 30
+            while be.attempts < 3:
+                t0 = time.monotonic()
+                with pytest.raises(BackendUnavailable, match=silent.address):
+                    be.exists_many([b"x"])
+                assert time.monotonic() - t0 < 0.5
+                time.sleep(0.05)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+                assert last < deadline, "no retry"
+            assert max(gaps) < 0.5, max(gaps)  # this thread ran on while they waited
+        finally:
+            be.close()
+        cfg = PoolConfig.from_extra(dict(mc_config(silent.address, connect_timeout_seconds=1),
+                                         on_backend_unavailable="fail"))
+        with pytest.raises(PoolConfigError) as e:
+            MooncakeBackend(cfg.mooncake, on_unavailable="fail")
+        msg = str(e.value)
+        assert "kv_connector_extra_config.mooncake.master_address" in msg
+        assert f"{silent.address} accepts connections but did not answer a request within " \
+               "1 s" in msg, msg
+    finally:
+        silent.close()
+
+
+def test_a_live_master_answers_the_request_at_once(cluster):
+    # what the start-up asks every master before Mooncake's setup
+    from vllm_layerwise_patch.pool.backends.mooncake.connection import master_answers
+    from vllm_layerwise_patch.pool.backends.mooncake.staging import host_port
+
+    t0 = time.monotonic()
+    assert master_answers(*host_port(cluster.master_address), 5.0) is None
+    assert time.monotonic() - t0 < 1
+    dead = f"127.0.0.1:{free_port()}"
+    assert master_answers(*host_port(dead), 5.0).startswith("is unreachable")
 
 
 def test_config_errors_name_the_field():
@@ -426,3 +553,25 @@ def test_master_unreachable_at_startup_follows_on_backend_unavailable(tiny_model
     err = failed["errors"]["fail"]
     assert err is not None and dead in err
     assert "kv_connector_extra_config.mooncake.master_address" in err
+
+
+@pytest.mark.vllm
+def test_a_silent_master_at_startup_starts_the_engine_without_the_pool(tiny_model_dir, work,
+                                                                     cold):
+    # The engine's Mooncake client meets a master that accepts connections
+    # and never answers (SilentMaster): the engine starts after the bound,
+    # says so in one line, and serves without hits (vLLM's prefix cache reset
+    # between the two prompts) with the tokens of a run without the pool.
+    silent = SilentMaster()
+    try:
+        res = engine(tiny_model_dir, work, [P, P], cold=True,
+                     pool=mc_config(silent.address, connect_timeout_seconds=3))
+    finally:
+        silent.close()
+    assert [o["cached"] for o in res["out"]] == [0, 0]
+    assert toks(res) == [cold["P"]] * 2
+    said = [line for line in res["log"].splitlines()
+            if "vllm-layerwise-patch pool" in line and silent.address in line]
+    assert len(said) == 1, said
+    assert "accepts connections but did not answer a request within 3 s" in said[0]
+    assert DOWN in said[0]

@@ -40,11 +40,13 @@ def backend(cluster, shm: bool, **kw):
 
 def values(tag: str) -> tuple[list[bytes], list[bytes], list[bytes]]:
     """Keys, payloads and stored values: 0 sound, 1 a flipped payload byte
-    (checksum), 2 another namespace, 3 a value of another size, 4 missing."""
-    keys = [f"{tag}/g{i}/L0".encode() for i in range(5)]
-    payloads = [bytes([i + 1]) * PAGE for i in range(5)]
-    stored = [pack(NS, payloads[0]), bytearray(pack(NS, payloads[1])),
-              pack(b"X" * 16, payloads[2]), pack(NS, payloads[3] + b"!")]
+    (checksum), 2 another namespace, 3 a value of another size, 4 a sound
+    value of another key (key 0's), 5 missing."""
+    keys = [f"{tag}/g{i}/L0".encode() for i in range(6)]
+    payloads = [bytes([i + 1]) * PAGE for i in range(6)]
+    stored = [pack(NS, keys[0], payloads[0]), bytearray(pack(NS, keys[1], payloads[1])),
+              pack(b"X" * 16, keys[2], payloads[2]), pack(NS, keys[3], payloads[3] + b"!"),
+              pack(NS, keys[0], payloads[4])]
     stored[1][HEADER_SIZE + 7] ^= 0xFF
     return keys, payloads, [bytes(v) for v in stored]
 
@@ -55,7 +57,7 @@ def test_only_sound_pages_are_served(cluster, shm, register):
     be = backend(cluster, shm)
     keys, payloads, stored = values(f"sound-{shm}-{register}")
     be.put_many(list(zip(keys, stored)))
-    pages = torch.full((5, PAGE), 0xEE, dtype=torch.uint8)
+    pages = torch.full((6, PAGE), 0xEE, dtype=torch.uint8)
     pipe = LayerwisePipeline(["L0"], be, NS, threads=1, check_crc=True)
     # zero-copy needs the pages registered; a same-node client cannot register them
     if register:
@@ -64,7 +66,7 @@ def test_only_sound_pages_are_served(cluster, shm, register):
                   tolerate_errors=True)
     assert bytes(pages[0].numpy()) == payloads[0]
     failed = sorted(i for _, i, _, _ in pipe.failures)
-    assert failed == [1, 2, 3, 4]
+    assert failed == [1, 2, 3, 4, 5]
     assert not pages[1:].any()  # failed pages are zeroed, never half-served
     # without tolerance a failed page raises: the forward must not run on it
     with pytest.raises((LoadError, ValueError)):

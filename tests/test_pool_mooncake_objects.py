@@ -62,13 +62,13 @@ def backend(address, layout=True, **kw):
 def block(h: bytes, tp: int = 0, token: int = 7) -> list[tuple[bytes, bytes]]:
     """A block's pages of both kinds, the drafter's and their markers."""
     ids = [str(i) for i in range(6)]
-    items = [(page_key(NS, ATTN, h, tp, i), pack(NS, bytes([int(i) + 1]) * PAGE)) for i in ids]
-    items += [(page_key(NS, STATE, h, tp, i), pack(NS, bytes([int(i) + 9]) * PAGE))
+    items = [(page_key(NS, ATTN, h, tp, i), bytes([int(i) + 1]) * PAGE) for i in ids]
+    items += [(page_key(NS, STATE, h, tp, i), bytes([int(i) + 9]) * PAGE)
               for i in ("6", "7")]
-    items += [(draft_page_key(NS, h, tp, "mtp.0", token), pack(NS, b"\x42" * PAGE))]
-    return items + [(marker_key(NS, ATTN, h, tp), pack(NS, b"")),
-                    (marker_key(NS, STATE, h, tp), pack(NS, b"")),
-                    (draft_marker_key(NS, h, tp, token), pack(NS, b""))]
+    items += [(draft_page_key(NS, h, tp, "mtp.0", token), b"\x42" * PAGE)]
+    items += [(marker_key(NS, ATTN, h, tp), b""), (marker_key(NS, STATE, h, tp), b""),
+              (draft_marker_key(NS, h, tp, token), b"")]
+    return [(k, pack(NS, k, v)) for k, v in items]
 
 
 def test_a_block_is_one_object_read_whole_or_by_layer_ranges(cluster):
@@ -91,8 +91,9 @@ def test_a_block_is_one_object_read_whole_or_by_layer_ranges(cluster):
     assert be.calls["get_sessions"] == 0
     # layer by layer (the load pipeline): ranges, one session for the object
     for i in range(6):
-        v = be.get_many([page_key(NS, ATTN, h, 0, str(i))], [HEADER_SIZE + PAGE])[0]
-        assert bytes(unpack(b"k", v, NS)) == bytes([i + 1]) * PAGE
+        key = page_key(NS, ATTN, h, 0, str(i))
+        v = be.get_many([key], [HEADER_SIZE + PAGE])[0]
+        assert bytes(unpack(key, v, NS)) == bytes([i + 1]) * PAGE
     assert be.calls["get_sessions"] == 1 and be.calls["ranged_gets"] == 6
     assert not be.ranges.sessions  # every slot read: the session ended
     # a page of a block never stored: missing, never another block's bytes
@@ -265,10 +266,9 @@ def test_a_holder_killed_mid_put_never_yields_a_partial_object(tmp_path):
                 tried.append(h)
                 n += 1
                 try:
-                    be.put_many([(page_key(NS, STATE, h, 0, i), pack(NS, bytes([n % 251]) *
-                                                                     (256 << 10)))
-                                 for i in ("6", "7")] + [(marker_key(NS, STATE, h, 0),
-                                                          pack(NS, b""))])
+                    items = [(page_key(NS, STATE, h, 0, i), bytes([n % 251]) * (256 << 10))
+                             for i in ("6", "7")] + [(marker_key(NS, STATE, h, 0), b"")]
+                    be.put_many([(k, pack(NS, k, v)) for k, v in items])
                 except Exception:  # noqa: BLE001 - the holder is gone
                     pass
 

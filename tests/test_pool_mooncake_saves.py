@@ -52,7 +52,8 @@ def test_a_saved_object_is_the_same_whether_put_from_the_pack_memory_or_staged(
         for i, name in enumerate(names):
             page = pages[(kind, name)].numpy().tobytes()
             slot = raw[i * SLOT:(i + 1) * SLOT]
-            assert slot[:HEADER_SIZE] == header(NS, page)
+            key = page_key(NS, kind, h, 0, name.split(".")[2])
+            assert slot[:HEADER_SIZE] == header(NS, key, page)  # (naming its key)
             assert slot[HEADER_SIZE:HEADER_SIZE + PAGE] == page
             assert slot[HEADER_SIZE + PAGE:] == bytes(SLOT - HEADER_SIZE - PAGE)  # zeroed
     saver.close()

@@ -92,9 +92,10 @@ def _hybrid_scheduler(tmp_path):
                           layout=layout, backend=LmdbBackend(str(tmp_path / "p"), 8 << 20),
                           namespace=ns, config=PoolConfig.from_extra({}))
     hashes = [bytes([i]) * 8 for i in range(4)]
-    sched.hits.backend.put_many([item for h in hashes for kind, layer in ((ATTN, "0"), (STATE, "1"))
-                            for item in ((page_key(ns, kind, h, 0, layer), pack(ns, b"x" * 8)),
-                                         (marker_key(ns, kind, h, 0), pack(ns, b"")))])
+    sched.hits.backend.put_many([(k, pack(ns, k, v)) for h in hashes
+                                 for kind, layer in ((ATTN, "0"), (STATE, "1"))
+                                 for k, v in ((page_key(ns, kind, h, 0, layer), b"x" * 8),
+                                              (marker_key(ns, kind, h, 0), b""))])
     req = types.SimpleNamespace(block_hashes=hashes, num_tokens=17, request_id="r",
                                 sampling_params=None)
     return sched, req

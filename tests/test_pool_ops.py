@@ -34,13 +34,13 @@ def write_pool(path, blocks=3, ns=NS_A, model="m"):
     for h in range(blocks):
         hb = bytes([h + 1]) * 32
         for kind in ("attn", "state"):
-            items += [(page_key(ns, kind, hb, 0, str(layer)), pack(ns, os.urandom(512)))
+            items += [(page_key(ns, kind, hb, 0, str(layer)), os.urandom(512))
                       for layer in range(2)]
-            items.append((marker_key(ns, kind, hb, 0), pack(ns, b"")))
+            items.append((marker_key(ns, kind, hb, 0), b""))
     desc = {"model": model, "vllm": "0.32.0", "dtype": "bfloat16",
             "layout": {"tp_size": 1, "block_size": 640}}
-    items.append((namespace_key(ns), pack(ns, json.dumps(desc).encode())))
-    b.put_many(items)
+    items.append((namespace_key(ns), json.dumps(desc).encode()))
+    b.put_many([(k, pack(ns, k, v)) for k, v in items])
     b.close()
     return [k for k, _ in items]
 
@@ -143,7 +143,7 @@ def test_scheduler_side_counts_once_and_sends_the_fill_when_it_changes(tmp_path)
 
 HOLDER = """
 import sys, time
-from vllm_layerwise_patch.pool import holders
+from vllm_layerwise_patch.pool.directory import holders
 holders.register(sys.argv[1], "scheduler", "the-model")
 holders.register(sys.argv[1], "worker", "the-model")
 print("ready", flush=True)
@@ -303,7 +303,8 @@ def test_pool_info_on_mooncake_reads_a_namespace_description(tmp_path, capsys):
             "local_buffer_size": "16MiB"}}
         be = MooncakeBackend(PoolConfig.from_extra(cfg).mooncake)
         desc = {"model": "model-mc", "vllm": "0.32.0", "layout": {"tp_size": 2}}
-        be.put_many([(namespace_key(NS_A), pack(NS_A, json.dumps(desc).encode()))])
+        key = namespace_key(NS_A)
+        be.put_many([(key, pack(NS_A, key, json.dumps(desc).encode()))])
         be.close()
         rc, out, _ = cli(capsys, "info", "--config", json.dumps(cfg), "--namespace", NS_A.hex())
         assert rc == 0 and f"namespace {NS_A.hex()}: model model-mc, vllm 0.32.0, tp_size 2" in out

@@ -129,6 +129,123 @@ def test_shared_group_pool_is_group_only(tmp_path):
         LmdbBackend(str(tmp_path / "x"), 16 << 20, shared_group="no-such-group-here")
 
 
+# -- the directories above the pool, checked again once created and resolved ------
+# The first check runs on names, before the missing directories are made;
+# what happens between it and the pool's creation is played here by a
+# hook on the real code (the creation of the missing parents, and the
+# resolution of the path): a link swapped, a parent someone else makes.
+# Negative control: parents_checked_first_only, the rule before the fix.
+
+OLD_RULE = '{"debug_parents_checked_first_only": true}'
+
+
+def _between(monkeypatch, rule, before=None, after=None):
+    """Run ``before()`` / ``after()`` around the creation of the missing
+    parents of the next pool opened; ``rule`` "old-rule": the old checks."""
+    from vllm_layerwise_patch.pool.directory import descriptors
+    from vllm_layerwise_patch.pool.faults import FAULTS_ENV
+
+    make = descriptors._make_parents
+
+    def made(path):
+        if before:
+            before()
+        make(path)
+        if after:
+            after()
+    monkeypatch.setattr(descriptors, "_make_parents", made)
+    if rule == "old-rule":
+        monkeypatch.setenv(FAULTS_ENV, OLD_RULE)
+
+
+def _swap(link, target):
+    """Point the link ``link`` at ``target`` in one rename (an attacker's
+    swap: the name never disappears)."""
+    new = link.parent / (link.name + ".new")
+    new.symlink_to(target)
+    os.replace(new, link)
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_a_parent_link_swapped_after_the_first_check_is_refused(tmp_path, monkeypatch, rule):
+    # the pool's parent is a link to a private directory when the path is
+    # checked, and to one that others can write (where they could rename the
+    # pool) when the pool is made
+    safe, unsafe = tmp_path / "safe", tmp_path / "unsafe"
+    safe.mkdir(mode=0o700)
+    unsafe.mkdir()
+    os.chmod(unsafe, 0o777)
+    link = tmp_path / "parent"
+    link.symlink_to(safe)
+    _between(monkeypatch, rule, before=lambda: _swap(link, unsafe))
+    path = str(link / "pool")
+    if rule == "fixed":
+        with pytest.raises(PoolConfigError) as e:
+            LmdbBackend(path, 16 << 20)
+        assert f"{os.path.realpath(unsafe)} above it is writable by others" in str(e.value)
+        assert os.listdir(unsafe) == [] and os.listdir(safe) == []
+    else:
+        LmdbBackend(path, 16 << 20).close()
+        assert "data.mdb" in os.listdir(unsafe / "pool")
+
+
+@needs_root
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_a_missing_parent_made_by_someone_else_meanwhile_is_refused(tmp_path, monkeypatch,
+                                                                   rule):
+    # tmp/made does not exist at the first check; another user makes it
+    # before the overlay does (mkdir: exists) - it must not be used
+    made = tmp_path / "made"
+
+    def theirs():
+        made.mkdir(mode=0o755)
+        nobody = pwd.getpwnam("nobody")
+        os.chown(made, nobody.pw_uid, nobody.pw_gid)
+    _between(monkeypatch, rule, before=theirs)
+    path = str(made / "pool")
+    if rule == "fixed":
+        with pytest.raises(PoolConfigError) as e:
+            LmdbBackend(path, 16 << 20)
+        assert f"{os.path.realpath(made)} above it is owned by nobody" in str(e.value)
+        assert os.listdir(made) == []
+    else:
+        LmdbBackend(path, 16 << 20).close()
+        assert "data.mdb" in os.listdir(made / "pool")
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_a_parent_swapped_for_a_link_after_it_was_resolved_is_not_followed(tmp_path,
+                                                                          monkeypatch, rule):
+    # the parent is a plain directory when the path is resolved, and a link
+    # to another directory when the pool is made in it: the pool must not
+    # land where no check looked
+    real, elsewhere = tmp_path / "real", tmp_path / "elsewhere"
+    real.mkdir(mode=0o700)
+    elsewhere.mkdir(mode=0o700)
+    armed = []
+    _between(monkeypatch, rule, after=lambda: armed.append(True))
+    resolve = os.path.realpath
+
+    def realpath(p, *a, **kw):
+        out = resolve(p, *a, **kw)
+        if armed:  # the first resolution after the parents were made
+            armed.clear()
+            os.rename(real, tmp_path / "moved")
+            real.symlink_to(elsewhere)
+        return out
+    monkeypatch.setattr(os.path, "realpath", realpath)
+    path = str(real / "pool")
+    if rule == "fixed":
+        with pytest.raises(PoolConfigError) as e:
+            LmdbBackend(path, 16 << 20)
+        assert f"{resolve(tmp_path)}/real above it changed while the pool was opened" in str(
+            e.value), str(e.value)
+        assert os.listdir(elsewhere) == []
+    else:
+        LmdbBackend(path, 16 << 20).close()
+        assert "data.mdb" in os.listdir(elsewhere / "pool")
+
+
 # -- engines and doctor ---------------------------------------------------------
 
 P = {"prefix": [2000, 5]}

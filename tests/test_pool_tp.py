@@ -64,9 +64,9 @@ def test_tp2_engine_hits_what_another_tp2_engine_saved(model, work, pool, baseli
     res = engine(model, work, [P], pool=pool)
     assert res["out"][0]["cached"] == 3 * BLOCK
     assert toks(res) == toks(baseline)
-    # both ranks loaded: the workers' stats are summed by vLLM
+    # both ranks loaded; the hit tokens are counted once per engine
     loaded = sum(int(m["External hit tokens loaded"]) for m in kv_metrics(res["log"]))
-    assert loaded == 2 * 3 * BLOCK
+    assert loaded == 3 * BLOCK
 
 
 def test_negative_control_rank_1_reading_rank_0_pages_changes_tokens(model, work, pool,
@@ -79,3 +79,53 @@ def test_negative_control_rank_1_reading_rank_0_pages_changes_tokens(model, work
 def test_tp1_engine_never_hits_tp2_entries(model, work, pool):
     res = engine(model, work, [P], pool=pool, tp=1)
     assert res["out"][0]["cached"] == 0
+
+
+# -- figures per request: once per engine, whatever the TP size ---------------------
+# One workload at TP=1 and at TP=2, each on a fresh pool: Q computed and
+# saved; Q again (vLLM's prefix cache reset) hits, its load fails in one
+# layer on every rank and Q recomputes (policy recompute); Q a third time
+# hits and loads.  vLLM's log line sums the workers' stats over the ranks:
+# the counts of requests and blocks must read the same at TP=2 as at TP=1.
+# Negative control (stats_every_rank, the rule before the fix): every rank
+# reports them, and TP=2 reads double.  This model's hybrid block is 640 at
+# TP=2 and 1152 at TP=1 (twice the state per rank): both engines are given
+# 1280, so one workload has the same blocks at both sizes.
+
+FAIL_LAYER = "model.layers.1.linear_attn"
+COUNTS = ("External hit tokens loaded", "Blocks saved", "Requests with failed loads")
+SAME_BLOCK = {"block_size": 2 * BLOCK, "max_num_batched_tokens": 2 * BLOCK}
+Q = {"prefix": [2700, 5]}  # two blocks of 1280
+
+
+def counted(model, work, tp, name, **faults):
+    pool = {"path": str(work / f"pool-counts-{name}"), "capacity": "64MiB",
+            "debug_fail_load_layer": FAIL_LAYER, **faults}
+    res = engine(model, work, [Q, Q, Q], pool=pool, tp=tp, policy="recompute", cold=True,
+                 llm=dict(TP2 if tp == 2 else {}, **SAME_BLOCK))
+    assert (res["out"][0]["cached"], res["out"][2]["cached"]) == (0, 4 * BLOCK)
+    assert toks(res)[1] == toks(res)[0] and toks(res)[2] == toks(res)[0]
+    assert "debug-missing" in res["log"]
+    lines = kv_metrics(res["log"])
+    got = {k: sum(int(m.get(k, 0)) for m in lines) for k in COUNTS}
+    print(f"TP={tp} ({name}):", got)
+    return got
+
+
+@pytest.fixture(scope="module")
+def counts_tp1(model, work):
+    return counted(model, work, 1, "tp1")
+
+
+def test_tp2_counts_requests_and_blocks_as_tp1_does(model, work, counts_tp1):
+    # two hits of 2 blocks (one failed), one failed request, Q's blocks saved
+    assert counts_tp1 == {"External hit tokens loaded": 2 * 4 * BLOCK,
+                          "Blocks saved": counts_tp1["Blocks saved"],
+                          "Requests with failed loads": 1}
+    assert counts_tp1["Blocks saved"] > 0
+    assert counted(model, work, 2, "tp2") == counts_tp1
+
+
+def test_negative_control_every_rank_counting_doubles_at_tp2(model, work, counts_tp1):
+    got = counted(model, work, 2, "tp2-every-rank", debug_stats_every_rank=True)
+    assert got == {k: 2 * v for k, v in counts_tp1.items()}

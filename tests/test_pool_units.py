@@ -32,14 +32,15 @@ NS = b"N" * 16
 
 def test_pack_unpack_roundtrip_and_each_corruption_kind():
     payload = bytes(range(256)) * 10
-    v = pack(NS, payload)
+    v = pack(NS, b"k", payload)
     assert bytes(unpack(b"k", v, NS, expected_length=len(payload))) == payload
     flipped = bytearray(v)
     flipped[-5] ^= 1
     cases = {
         "checksum": bytes(flipped),
         "truncated": v[:-7],
-        "foreign-namespace": pack(b"O" * 16, payload),
+        "foreign-namespace": pack(b"O" * 16, b"k", payload),
+        "other-key": pack(NS, b"j", payload),
         "bad-header": b"XXXX" + v[4:],
     }
     for kind, value in cases.items():
@@ -51,7 +52,7 @@ def test_pack_unpack_roundtrip_and_each_corruption_kind():
     # without the checksum (the worker, after a verified lookup) the header,
     # namespace and length are still checked; a flipped payload byte is not
     assert bytes(unpack(b"k", cases["checksum"], NS, check_crc=False)) != payload
-    for kind in ("truncated", "foreign-namespace", "bad-header"):
+    for kind in ("truncated", "foreign-namespace", "bad-header", "other-key"):
         with pytest.raises(CorruptEntry) as e:
             unpack(b"k", cases[kind], NS, check_crc=False)
         assert e.value.kind == kind
@@ -60,7 +61,7 @@ def test_pack_unpack_roundtrip_and_each_corruption_kind():
 
 
 def test_values_are_never_pickles():
-    v = pack(NS, b"\x80\x04K\x01.")
+    v = pack(NS, b"k", b"\x80\x04K\x01.")
     assert v.startswith(b"VLPV")
 
 
@@ -69,8 +70,8 @@ def test_values_are_never_pickles():
 def _block(i, size=200_000, layers=2):
     """A block's group: its pages and its commit marker."""
     g = f"ns/attn/{i:04d}/tp0"
-    return [(f"{g}/L{j}".encode(), pack(NS, bytes(size))) for j in range(layers)] + [
-        (f"{g}/commit".encode(), pack(NS, b""))]
+    keys = [f"{g}/L{j}".encode() for j in range(layers)] + [f"{g}/commit".encode()]
+    return [(k, pack(NS, k, bytes(size if j < layers else 0))) for j, k in enumerate(keys)]
 
 
 def _present(be, i, layers=2):
@@ -80,7 +81,7 @@ def _present(be, i, layers=2):
 
 def test_lmdb_put_get_exists_delete(tmp_path):
     be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
-    be.put_many([(b"a", pack(NS, b"1")), (b"b", pack(NS, b"22"))])
+    be.put_many([(b"a", pack(NS, b"a", b"1")), (b"b", pack(NS, b"b", b"22"))])
     assert be.exists_many([b"a", b"b", b"c"]) == [True, True, False]
     got = be.get_many([b"b", b"c"])
     assert bytes(unpack(b"b", got[0], NS)) == b"22" and got[1] is None
@@ -105,13 +106,13 @@ def test_payloads_are_cache_line_aligned_wherever_the_pool_lays_values_out(tmp_p
 
     sizes = [HEADER_SIZE + n for n in (160 << 10, 4096 + 8, 300 << 10)]
     be = LmdbBackend(str(tmp_path / "pool"), 64 << 20)
-    be.put_many([(b"k%d" % i, pack(b"N" * 16, bytes(n - HEADER_SIZE)))
+    be.put_many([(b"k%d" % i, pack(b"N" * 16, b"k%d" % i, bytes(n - HEADER_SIZE)))
                  for i, n in enumerate(sizes)])
     seen = []
     be.read_many([b"k0", b"k1", b"k2"], lambda i, k, v: seen.append(addr(v[HEADER_SIZE:])))
     assert [a % 64 for a in seen] == [0, 0, 0], "LMDB payloads"
     arena = PackArena(b"N" * 16)
-    packed = [arena.pack(torch.zeros(n - HEADER_SIZE, dtype=torch.uint8)) for n in sizes]
+    packed = [arena.pack(b"k", torch.zeros(n - HEADER_SIZE, dtype=torch.uint8)) for n in sizes]
     assert [addr(v[HEADER_SIZE:]) % 64 for v in packed] == [0, 0, 0], "packed values"
     keep = (ctypes.c_ubyte * (4 << 20))()
     staging = Staging(ctypes.addressof(keep), 4 << 20, 2, keep)
@@ -134,7 +135,7 @@ def test_pack_arena_values_of_any_size_up_to_and_over_a_chunk():
     try:
         for n in (100, 4096 - HEADER_SIZE, 4096, 3 * 4096 + 5, 64):
             page = torch.arange(n, dtype=torch.int64).to(torch.uint8)
-            value = arena.pack(page)
+            value = arena.pack(b"k", page)
             assert bytes(unpack(b"k", value, b"N" * 16)) == bytes(page.numpy())
     finally:
         signal.alarm(0)
@@ -212,7 +213,8 @@ def test_lmdb_is_safe_for_several_processes(tmp_path):
         be = LmdbBackend({path!r}, 256 << 20)
         w = sys.argv[1]
         for i in range(200):
-            be.put_many([(f"{{w}}-{{i}}".encode(), pack(b"N" * 16, bytes([i % 256]) * 4096))])
+            key = f"{{w}}-{{i}}".encode()
+            be.put_many([(key, pack(b"N" * 16, key, bytes([i % 256]) * 4096))])
         """)
     procs = [subprocess.Popen([sys.executable, "-c", code, str(w)]) for w in range(3)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
@@ -237,7 +239,8 @@ def test_lmdb_engines_with_different_capacities_share_one_pool(tmp_path):
         be = LmdbBackend({path!r}, 32 << 20)
         for i in range(100, 160):
             g = f"ns/attn/{{i:04d}}/tp0"
-            be.put_many([(f"{{g}}/L0".encode(), pack(b"N" * 16, bytes(200_000)))])
+            key = f"{{g}}/L0".encode()
+            be.put_many([(key, pack(b"N" * 16, key, bytes(200_000)))])
         print(be.stats()["evictions"])
         """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -365,7 +368,7 @@ def test_lmdb_eviction_commits_in_a_full_large_map(backend):
     shm = tempfile.mkdtemp(prefix="vlp-test-evict-", dir="/dev/shm")
     try:
         be = backend(os.path.join(shm, "pool"), 1 << 30, evict_fraction=0.3, pin_seconds=0)
-        page = pack(NS, os.urandom(160 << 10))
+        page = pack(NS, b"page", os.urandom(160 << 10))  # (never read: one value for all)
         rounds = 0
         with contextlib.ExitStack() as stack:
             if backend is _OneTransactionEviction:
@@ -481,7 +484,7 @@ def test_pipeline_loads_every_layer_in_order_with_prefetch(tmp_path):
         for b in (1, 3):
             key = f"{layer}/{b}".encode()
             data = torch.randint(0, 256, (1024,), dtype=torch.uint8)
-            be.put_many([(key, pack(NS, data.numpy().tobytes()))])
+            be.put_many([(key, pack(NS, key, data.numpy().tobytes()))])
             tasks.setdefault(layer, []).append((key, [caches[layer][b]]))
             key_layer[key] = layer
             expect[(layer, b)] = data
@@ -499,9 +502,57 @@ def test_pipeline_loads_every_layer_in_order_with_prefetch(tmp_path):
     be.close()
 
 
+class _Fence:
+    """The compute-start fence as the load threads see it (``synchronize``:
+    block until compute reached the layer).  On a GPU it is a CUDA event the
+    forward records (``record_compute_start``); on CPU there is no stream, so
+    the test's consumer releases it by hand."""
+
+    def __init__(self):
+        self.reached = threading.Event()
+
+    def synchronize(self):
+        assert self.reached.wait(30)
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_pipeline_load_seconds_is_the_transfer_without_the_fence_wait(tmp_path, rule):
+    # 4 layers, each load taking DELAY (the pipeline's delay fault), prefetch
+    # 2: layers 0 and 1 start at once; once the forward reaches layer 0, the
+    # load of layer 2 is submitted behind the fence and waits until a slow
+    # consumer - computing layer 0 for HOLD - lets it write.  load_seconds
+    # counts the transfers (4 x DELAY), not the HOLD that load sat behind the
+    # fence.  Negative control: the rule before the fix
+    # (load_seconds_with_fence) counts the fence too.
+    DELAY, HOLD = 0.05, 0.6
+    be, caches, order = _pages(tmp_path, 4, 2, 256)
+    tasks = {}
+    for layer in order:
+        key = f"{layer}/1".encode()
+        be.put_many([(key, pack(NS, bytes(range(256))))])
+        tasks[layer] = [(key, [caches[layer][1]])]
+    pipe = LayerwisePipeline(order, be, NS, prefetch=2, threads=4, delay=DELAY,
+                             fence_in_load_seconds=rule == "old-rule")
+    pipe.start(tasks)
+    fence = pipe._gate = _Fence()  # (what record_compute_start sets on a GPU)
+    pipe.wait(order[0])  # submits layer 2, behind the fence
+    time.sleep(HOLD)  # the slow consumer computes layer 0
+    fence.reached.set()
+    for layer in order[1:]:
+        pipe.wait(layer)
+        assert caches[layer][1].tolist() == list(range(256))
+    transfer = 4 * DELAY
+    if rule == "fixed":
+        assert transfer * 0.9 <= pipe.load_seconds < transfer + HOLD / 2, pipe.load_seconds
+    else:
+        assert pipe.load_seconds >= transfer * 0.9 + HOLD * 0.9, pipe.load_seconds
+    pipe.close()
+    be.close()
+
+
 def test_pipeline_surfaces_missing_and_corrupt_entries(tmp_path):
     be, caches, order = _pages(tmp_path, 2, 2, 64)
-    be.put_many([(b"bad", pack(b"O" * 16, bytes(64)))])
+    be.put_many([(b"bad", pack(b"O" * 16, b"bad", bytes(64)))])
     pipe = LayerwisePipeline(order, be, NS, prefetch=2)
     pipe.start({order[0]: [(b"missing", [caches[order[0]][1]])],
                 order[1]: [(b"bad", [caches[order[1]][1]])]})
@@ -521,8 +572,8 @@ def test_pipeline_tolerant_mode_zeroes_and_lists_failed_items(tmp_path):
     # other items of the same layer still load.
     be, caches, order = _pages(tmp_path, 2, 3, 64)
     good = torch.randint(1, 256, (64,), dtype=torch.uint8)
-    be.put_many([(b"good", pack(NS, good.numpy().tobytes())),
-                 (b"bad", pack(b"O" * 16, bytes(64)))])
+    be.put_many([(b"good", pack(NS, b"good", good.numpy().tobytes())),
+                 (b"bad", pack(b"O" * 16, b"bad", bytes(64)))])
     for layer in order:
         caches[layer].fill_(7)  # what a previous request left there
     pipe = LayerwisePipeline(order, be, NS, prefetch=2)
@@ -600,10 +651,10 @@ def _store(sched, hashes, blocks, kind):
 
     items = []
     for i in blocks:
-        for layer in sched.hits.target[kind]:
-            items.append((page_key(NS, kind, hashes[i], 0, layer), pack(NS, b"x" * 8)))
-        items.append((marker_key(NS, kind, hashes[i], 0), pack(NS, b"")))
-    sched.hits.backend.put_many(items)
+        items += [(page_key(NS, kind, hashes[i], 0, layer), b"x" * 8)
+                  for layer in sched.hits.target[kind]]
+        items.append((marker_key(NS, kind, hashes[i], 0), b""))
+    sched.hits.backend.put_many([(k, pack(NS, k, v)) for k, v in items])
 
 
 def _committed(sched, n):
@@ -692,17 +743,15 @@ def _store_mtp(sched, hashes, tokens, blocks):
     from vllm_layerwise_patch.pool.keys import (ATTN, STATE, draft_marker_key,
                                                 draft_page_key, marker_key, page_key)
 
-    v = pack(NS, b"x" * 8)
-    items = []
+    keys = []
     for i in blocks:
         tok = tokens[(i + 1) * 4]
-        items += [(page_key(NS, ATTN, hashes[i], 0, "0"), v),
-                  (marker_key(NS, ATTN, hashes[i], 0), pack(NS, b"")),
-                  (draft_page_key(NS, hashes[i], 0, "mtp.0", tok), v),
-                  (draft_marker_key(NS, hashes[i], 0, tok), pack(NS, b"")),
-                  (page_key(NS, STATE, hashes[i], 0, "1"), v),
-                  (marker_key(NS, STATE, hashes[i], 0), pack(NS, b""))]
-    sched.hits.backend.put_many(items)
+        keys += [page_key(NS, ATTN, hashes[i], 0, "0"), marker_key(NS, ATTN, hashes[i], 0),
+                 draft_page_key(NS, hashes[i], 0, "mtp.0", tok),
+                 draft_marker_key(NS, hashes[i], 0, tok),
+                 page_key(NS, STATE, hashes[i], 0, "1"), marker_key(NS, STATE, hashes[i], 0)]
+    sched.hits.backend.put_many([(k, pack(NS, k, b"" if b"/commit" in k else b"x" * 8))
+                                 for k in keys])
 
 
 def test_drafter_pages_hit_whole_blocks_when_the_next_token_matches(tmp_path):
@@ -754,10 +803,9 @@ def test_a_block_another_process_saves_after_a_cached_miss_hits_next_time(stored
         from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
         be = LmdbBackend({sched.hits.backend.path!r}, 64 << 20)
         h, ns = {more[4]!r}, {NS!r}
-        be.put_many([(page_key(ns, ATTN, h, 0, "0"), pack(ns, b"x" * 8)),
-                     (marker_key(ns, ATTN, h, 0), pack(ns, b"")),
-                     (page_key(ns, STATE, h, 0, "1"), pack(ns, b"x" * 8)),
-                     (marker_key(ns, STATE, h, 0), pack(ns, b""))])
+        be.put_many([(k, pack(ns, k, v)) for k, v in (
+            (page_key(ns, ATTN, h, 0, "0"), b"x" * 8), (marker_key(ns, ATTN, h, 0), b""),
+            (page_key(ns, STATE, h, 0, "1"), b"x" * 8), (marker_key(ns, STATE, h, 0), b""))])
         """)
     subprocess.run([sys.executable, "-c", code], check=True)
     assert sched.hits.lookup(req, 0) == 5
@@ -802,12 +850,12 @@ def test_lookup_verification_shortens_the_hit_and_drops_the_block(stored):
     req = _req(hashes, 4 * 4 + 1)
     assert sched.hits.lookup(req, 0) == 4
     key = page_key(NS, STATE, hashes[3], 0, "1")
-    sched.hits.backend.put_many([(key, pack(NS, b"x" * 8)[:-3])])  # truncated state at block 3
+    sched.hits.backend.put_many([(key, pack(NS, key, b"x" * 8)[:-3])])  # truncated state, block 3
     assert sched.hits.lookup(req, 0) == 3
     # the whole block's state group went, marker included: it can be saved again
     assert sched.hits.backend.exists_many([key, marker_key(NS, STATE, hashes[3], 0)]) == [False] * 2
     key = page_key(NS, ATTN, hashes[1], 0, "0")
-    sched.hits.backend.put_many([(key, pack(b"O" * 16, b"x" * 8))])  # foreign attention page
+    sched.hits.backend.put_many([(key, pack(b"O" * 16, key, b"x" * 8))])  # foreign attention page
     assert sched.hits.lookup(req, 0) == 1
     assert sched.log.seen == {"truncated", "foreign-namespace"}
     # a page that vanished (its marker stayed): the marker is dropped too
@@ -880,7 +928,8 @@ def test_save_queue_commits_pages_and_markers_in_one_transaction(tmp_path, devic
     be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
     q = SaveQueue(be, NS)
     packed_by, pack = [], q._arena.pack
-    q._arena.pack = lambda page: packed_by.append(threading.current_thread().name) or pack(page)
+    q._arena.pack = lambda key, page: (packed_by.append(threading.current_thread().name)
+                                       or pack(key, page))
     pages = torch.randint(0, 256, (3, 512), dtype=torch.uint8)
     dev = torch.device(device) if device else None
     q.submit([(b"p0", pages[0]), (b"p1", pages[1])], dev)
@@ -1038,6 +1087,119 @@ def test_a_request_reloaded_after_a_preemption_pins_again(stored):
     sched.update_state_after_alloc(req, blocks, 16)
     assert sched.get_num_new_matched_tokens(req, 0) == (16, False)  # after a preemption
     assert sched.hits.backend.calls["pin"] == pins + 1
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+def test_a_request_reloaded_after_its_async_load_pins_again(tmp_path, monkeypatch, rule):
+    # load_async: the workers release a load's pins once it is done; when
+    # vLLM preempts the request soon after (within pin_seconds/2 of the last
+    # pin) and looks it up again, its hit must be pinned in the pool anew.
+    # Negative control (async_pins_kept, the rule before the fix): the
+    # scheduler's record of the released pins answers the re-lookup and the
+    # hit it serves is not pinned.
+    from vllm_layerwise_patch.pool.faults import FAULTS_ENV
+    from vllm_layerwise_patch.pool.keys import ATTN, group_key
+    from vllm_layerwise_patch.pool.metadata import load_groups, owner_of
+
+    if rule == "old-rule":
+        monkeypatch.setenv(FAULTS_ENV, '{"debug_async_pins_kept": true}')
+    sched = _scheduler(tmp_path, load_async=True)
+    hashes = _committed(sched, 3)
+    be = sched.hits.backend
+    req = _req(hashes, 3 * 4 + 1, rid="a")
+    wanted = sorted(group_key(NS, ATTN, h, 0) for h in hashes) + [
+        group_key(NS, STATE, hashes[2], 0)]
+
+    def pinned():
+        now = struct.pack(">d", time.time())
+        with be._txn() as txn:
+            return sorted(g for g in wanted if be._pinned(txn, g, now))
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 0], [0, 0, 11, 0]))
+    sched.update_state_after_alloc(req, blocks, 12)
+    (spec,) = sched.build_connector_meta(_step()).async_loads
+    assert pinned() == sorted(wanted)
+    # the worker (rank 0, the only one) read the hit and releases its pins
+    # (worker.loads.WorkerLoads.release_pins), then reports the load done
+    be.unpin(load_groups(NS, spec.hashes, [0], True), owner_of("a"))
+    assert pinned() == []
+    sched.update_connector_output(types.SimpleNamespace(finished_recving={"a"}))
+    # preempted at once; looked up again: the same hit
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    assert pinned() == (sorted(wanted) if rule == "fixed" else [])
+
+
+@pytest.mark.parametrize("rule", ["fixed", "old-rule"])
+@pytest.mark.parametrize("tp,failing", [(1, {0}), (2, {0, 1}), (2, {1})])
+def test_figures_per_request_count_once_per_engine_whatever_the_tp_size(tmp_path, rule, tp,
+                                                                        failing):
+    # One step of an engine at TP=1 or TP=2 through vLLM's own aggregation:
+    # every rank loaded request "a"'s hit (12 tokens) and committed 2 blocks,
+    # and the asynchronous load of request "b" failed on the ranks
+    # ``failing``.  vLLM's KVOutputAggregator sums the workers' stats and
+    # reports b's failure once; the scheduler side adds its counts; the log
+    # line (PoolStats.reduce) must read the same at TP=2 as at TP=1.
+    # Negative control (stats_every_rank, the rule before the fix): every
+    # rank reports them, vLLM's sums double at TP=2.
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from vllm_layerwise_patch.pool.scheduler.stats import SchedulerSideStats
+    from vllm_layerwise_patch.pool.stats import PoolStats, worker_share
+
+    every_rank = rule == "old-rule"
+    sched = _scheduler(tmp_path, load_async=True)
+    hashes = _committed(sched, 3)
+    req = _req(hashes, 3 * 4 + 1, rid="b")
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 0], [0, 0, 11, 0]))
+    sched.update_state_after_alloc(req, blocks, 12)
+    sched.build_connector_meta(_step())
+    side = SchedulerSideStats(lambda: sched.stats, sched.hits.backend, 4,
+                              failures=not every_rank)
+    side.take()  # (what the lookups counted so far)
+
+    def worker(rank):
+        data = {"hit_tokens": 12, "blocks_saved": 2, "bytes_loaded": 4096,
+                "load_failures": int(rank in failing)}
+        stats = PoolStats(data=worker_share(data, rank, every_rank)).sample_step()
+        return types.SimpleNamespace(kv_connector_output=KVConnectorOutput(
+            kv_connector_stats=stats, finished_recving={"b"},
+            failed_recving={"b"} if rank in failing else set()))
+
+    out = KVOutputAggregator(tp).aggregate([worker(r) for r in range(tp)]).kv_connector_output
+    assert out.failed_recving == {"b"}
+    sched.update_connector_output(out)  # (as vLLM's scheduler hands it over)
+    stats, own = out.kv_connector_stats, side.take()
+    stats = (stats.aggregate(own) if own is not None else stats).reduce()
+    got = (stats["External hit tokens loaded"], stats["Blocks saved"],
+           stats["Requests with failed loads"])
+    if rule == "fixed" or tp == 1:
+        assert got == (12, 2, 1)
+    else:
+        assert got == (24, 4, len(failing))
+
+
+def test_the_scheduler_counts_each_failed_load_once(stored):
+    # a load in a forward fails: vLLM hands the scheduler the failed block
+    # ids (in that step's output; a later step's output may name them
+    # again) - one failed request; then vLLM fails request "z" by policy
+    # 'fail' (finished, no longer tracked) before it hands the scheduler the
+    # output that reports z's failed asynchronous load - counted too.
+    sched, hashes = stored
+    req = _req(hashes, 4 * 4 + 1, rid="s")
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5], [0, 0, 0, 6, 0]))
+    sched.update_state_after_alloc(req, blocks, 16)
+    ids = blocks.get_block_ids()
+    assert len(sched.build_connector_meta(_step([("s", ids, 0)], {"s": 17})).loads) == 1
+    for _ in range(2):
+        sched.update_connector_output(types.SimpleNamespace(invalid_block_ids={2, 6}))
+    assert sched.stats["load_failures"] == 1
+    sched.update_connector_output(types.SimpleNamespace(finished_recving={"z"},
+                                                        failed_recving={"z"}))
+    assert sched.stats["load_failures"] == 2
 
 
 @pytest.mark.parametrize("attr", ["prompt_logprobs", "skip_reading_prefix_cache"])

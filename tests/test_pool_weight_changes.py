@@ -185,15 +185,15 @@ def _store(conn, meta):
     from vllm_layerwise_patch.pool.backends.base import pack
     from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
 
-    ns, items = meta.namespace, []
+    ns, keys = meta.namespace, []
     for save in meta.saves:
         for a in save.attn:
-            items += [(page_key(ns, ATTN, a.hash, 0, "0"), pack(ns, b"k")),
-                      (marker_key(ns, ATTN, a.hash, 0), pack(ns, b""))]
+            keys += [(page_key(ns, ATTN, a.hash, 0, "0"), b"k"),
+                     (marker_key(ns, ATTN, a.hash, 0), b"")]
         for h, _ in save.mamba:
-            items += [(page_key(ns, STATE, h, 0, "1"), pack(ns, b"s")),
-                      (marker_key(ns, STATE, h, 0), pack(ns, b""))]
-    conn.backend.put_many(items)
+            keys += [(page_key(ns, STATE, h, 0, "1"), b"s"),
+                     (marker_key(ns, STATE, h, 0), b"")]
+    conn.backend.put_many([(k, pack(ns, k, payload)) for k, payload in keys])
 
 
 def _serve(conn, rid):

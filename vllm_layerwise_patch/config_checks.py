@@ -1,7 +1,7 @@
 """Checks of a vLLM engine configuration that a layerwise hybrid pool needs.
 
 Used by ``doctor --engine-args``; the pool checks read the same rules the
-pool connector applies at startup (``pool.security``, ``pool.identity``).  Each check is a :class:`Check` with ``ok`` True / False / None
+pool connector applies at startup (``pool.directory.security``, ``pool.identity``).  Each check is a :class:`Check` with ``ok`` True / False / None
 (None: not applicable to this configuration).
 """
 

@@ -4,7 +4,8 @@ look inside a pool, check it, empty it.
 * ``info``: backend, capacity, bytes used, and per namespace its entries,
   blocks, bytes, TP ranks, oldest/newest access and description (model,
   vLLM release, dtypes, TP size, block size) - and who holds the pool open;
-* ``verify``: read every entry, check its header, length, namespace and
+* ``verify``: read every entry, check its header, length, namespace, key
+  (the digest in its header: a value stored under another key) and
   checksum (a progress bar on stderr), list the damaged groups (a block's
   pages of one kind on one rank and their marker); ``--drop`` removes them,
   so those blocks are recomputed and saved again;
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="action", metavar="ACTION", required=True)
     helps = {"info": "what the pool holds, per namespace, and who holds it open",
-             "verify": "check every entry (header, length, namespace, checksum)",
+             "verify": "check every entry (header, length, namespace, key, checksum)",
              "clear": "remove every entry, or one namespace's"}
     for name, text in helps.items():
         p = sub.add_parser(name, help=text, description=text)

@@ -121,8 +121,8 @@ def save_parts(layers: int, blocks: int, page: int, repeats: int) -> dict:
         for r in range(repeats + 2):  # the first two rounds warm up
             copy_s = memcpy_seconds(zip(dest, pages))
             t1 = time.perf_counter()
-            items = [(f"{i}/{b}".encode(), arena.pack(p[b]))
-                     for i, p in enumerate(pages) for b in range(blocks)]
+            items = [(k, arena.pack(k, p[b])) for i, p in enumerate(pages)
+                     for b in range(blocks) for k in (f"{i}/{b}".encode(),)]
             t2 = time.perf_counter()
             be.put_many(items)
             t3 = time.perf_counter()

@@ -26,14 +26,26 @@ Why: Scheduler._handle_invalid_blocks raises for more than one KV cache group
 How: only for connectors that declare ``reports_hybrid_load_errors`` (the
   pool connector) and layouts with several groups; anything else takes
   upstream's path. The requests affected are the running requests holding a
-  reported block id in any group (over-matching only costs a recompute). All
-  their blocks leave the prefix cache (the failed pages were cached at
-  allocation). Policy "fail": they are returned for upstream to finish with
-  an error. Policy "recompute": they are returned (this step's output is
-  skipped) and, once update_from_output has settled the step's in-flight
-  counters, preempted with their in-flight output dropped - as
-  reset_prefix_cache does - so they start again from token 0 and look the
-  pool up again.
+  reported block id in any group, or a block the connector names as
+  computed from one (``blocks_to_evict``: in every block table holding a
+  failed block, that column and the later ones, running and ended
+  requests alike) - a request that took such a block as a hit in vLLM's
+  prefix cache read a wrong page too (over-matching only costs a
+  recompute). What leaves the prefix cache (the failed pages were cached
+  at allocation) does not depend on who still runs: those blocks, and all
+  blocks of the affected requests. A request aborted by its client, or
+  preempted by the next step's scheduling (vLLM schedules step N+1 before it
+  processes step N's output), no longer runs when its failure is reported;
+  evicting only running holders' blocks left its zeroed pages cached, and
+  the next request with that prefix took them as a hit. Policy "fail": the
+  affected requests are returned for upstream to finish with an error.
+  Policy "recompute": they are returned (this step's output is skipped)
+  and, once update_from_output has settled the step's in-flight counters,
+  preempted with their in-flight output dropped - as reset_prefix_cache
+  does - so they start again from token 0 and look the pool up again.
+  vLLM 0.33/0.34 raise in _handle_invalid_blocks for several groups as
+  0.32 does (failed blocks cannot be mapped to requests there): the patch
+  runs before that check for an opted-in connector on those releases too.
 Removal condition: upstream maps block load errors to requests for
   multi-group layouts and recomputes hybrid requests from a valid state.
 Self-check: calls the patched Scheduler._handle_invalid_blocks on a bare
@@ -80,16 +92,47 @@ def affected_requests(scheduler, invalid_block_ids: set[int]) -> tuple[set[str],
     return affected, blocks
 
 
+def derived_blocks(scheduler, invalid_block_ids: set[int]) -> set[int]:
+    """The reported blocks and what the connector knows was computed from
+    them (``blocks_to_evict``: later blocks of every table holding one, by
+    running and ended requests alike)."""
+    named = getattr(scheduler.connector, "blocks_to_evict", None)
+    out = set(invalid_block_ids)
+    if callable(named) and not _old_rule():
+        out |= set(named(set(invalid_block_ids)))
+    null = getattr(getattr(getattr(scheduler.kv_cache_manager, "block_pool", None),
+                           "null_block", None), "block_id", 0)
+    out.discard(null)
+    return out
+
+
+def _old_rule() -> bool:
+    """(tests) The rule before the fix: only running holders of a reported
+    block are affected, and only their blocks evicted."""
+    try:
+        from ..pool.faults import faults
+
+        return faults().evict_running_holders_only
+    except Exception:  # noqa: BLE001 - (a connector outside the package)
+        return False
+
+
 def _handle_invalid_blocks(wrapped, instance, args, kwargs):
     if (len(instance.kv_cache_config.kv_cache_groups) <= 1
             or not getattr(instance.connector, OPT_IN, False)):
         return wrapped(*args, **kwargs)
     invalid = set(args[0] if args else kwargs["invalid_block_ids"])
-    affected, blocks = affected_requests(instance, invalid)
+    derived = derived_blocks(instance, invalid)
+    # a running request holding any of them read a wrong page - also one that
+    # took a block computed after the failure as a hit in vLLM's prefix cache
+    affected, held = affected_requests(instance, derived)
+    # the failed pages were cached at allocation: nobody may hit them, nor
+    # what was computed from them, whoever still runs
+    evict = held if _old_rule() else derived | held
+    if evict:
+        instance.kv_cache_manager.evict_blocks(evict)
     if not affected:
         return set()
-    # the failed pages were cached at allocation: nobody may hit them
-    instance.kv_cache_manager.evict_blocks(blocks)
     recompute = instance.recompute_kv_load_failures
     global _warned
     if recompute:
@@ -148,12 +191,20 @@ def _self_check() -> str:
     warned, _warned = _warned, True  # keep the first real recompute's warning
     try:
         got = Scheduler._handle_invalid_blocks(sched, {3}, {})
+        assert got == {"a"}, f"affected requests {got}, expected {{'a'}}"
+        assert evicted == {1, 2, 3}, f"evicted {evicted}, expected {{1, 2, 3}}"
+        assert sched.__dict__.get(_PENDING) == {"a"}, "request not queued for preemption"
+        # a failed load whose request no longer runs (aborted, preempted):
+        # its blocks and what the connector names leave the cache all the same
+        evicted.clear()
+        sched.connector.blocks_to_evict = lambda ids: ids | {9}
+        got = Scheduler._handle_invalid_blocks(sched, {7, 8}, {})
+        assert got == set(), f"affected requests {got}, expected none"
+        assert evicted == {7, 8, 9}, f"evicted {evicted}, expected {{7, 8, 9}}"
     finally:
         _warned = warned
-    assert got == {"a"}, f"affected requests {got}, expected {{'a'}}"
-    assert evicted == {1, 2, 3}, f"evicted {evicted}, expected {{1, 2, 3}}"
-    assert sched.__dict__.get(_PENDING) == {"a"}, "request not queued for preemption"
-    return "a reported block maps to its request over both groups; blocks evicted, preemption queued"
+    return ("a reported block maps to its request over both groups; blocks evicted, "
+            "preemption queued; a failed load with no running holder evicted too")
 
 
 PATCH = Patch(

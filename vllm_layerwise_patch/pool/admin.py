@@ -149,7 +149,8 @@ def summary(description: dict[str, Any] | None) -> dict[str, Any]:
 
 def verify(backend: LmdbBackend, drop: bool = False,
            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Read every entry and check its header, length, namespace and checksum.
+    """Read every entry and check its header, length, namespace, key (the
+    digest in its header: a value stored under another key) and checksum.
     Returns the damaged groups (a group: one block's pages of one kind on
     one rank and their marker) with why; ``drop`` removes them."""
     checked, damaged = 0, {}

@@ -151,6 +151,13 @@ class MooncakeConfig(BaseModel):
     reconnect_seconds: Number = Field(
         default=10.0, gt=0, le=3600,
         description="while the master is unreachable, how often to try again")
+    connect_timeout_seconds: Number = Field(
+        default=5.0, gt=0, le=3600,
+        description="how long a connect attempt waits for the master to answer a request "
+                    "before Mooncake's client setup (which, against a master that accepts "
+                    "connections and never answers, stops the whole process for about ten "
+                    "minutes); a master that does not answer in time is unreachable: "
+                    "`on_backend_unavailable`, then a new attempt every `reconnect_seconds`")
 
 
 class PoolConfig(BaseModel):
@@ -203,8 +210,8 @@ class PoolConfig(BaseModel):
                     "dies)")
     verify_on_lookup: bool = Field(
         default=True,
-        description="read and check (length, crc32, namespace) every entry of a hit "
-                    "before reporting it")
+        description="read and check (length, checksum, namespace, the key it was "
+                    "written under) every entry of a hit before reporting it")
     hit_cache_ttl: Number = Field(
         default=30.0, ge=0,
         description="the scheduler's hit cache: longest an answer is kept (it is dropped "

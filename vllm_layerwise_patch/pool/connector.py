@@ -1,6 +1,7 @@
 """LayerwisePoolConnector: a layerwise, hybrid-capable (SupportsHMA) KV
 connector backed by an external pool.  This file is the facade; the
-scheduler side lives in ``scheduler.py``, the worker side in ``worker.py``.
+scheduler side lives in ``scheduler/`` (``planner.py``), the worker side in
+``worker/`` (``forward.py``).
 
     --kv-transfer-config '{"kv_connector": "LayerwisePoolConnector",
       "kv_connector_module_path": "vllm_layerwise_patch.pool",
@@ -157,7 +158,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
                 blind=self._sched.faults.weights_change_blind)
             self._sched_stats = SchedulerSideStats(
                 lambda: self._sched.stats | self._sched.shared_loads.stats, self.backend,
-                self.layout.block_size)
+                self.layout.block_size, failures=not self._sched.faults.stats_every_rank)
             self._describe_namespace()
         else:
             from .worker.forward import PoolWorker
@@ -183,7 +184,7 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             key = namespace_key(self.ns)
             if not self.backend.exists_many([key])[0]:
                 text = json.dumps(self.namespace_description, sort_keys=True, indent=1)
-                self.backend.put_many([(key, pack(self.ns, text.encode()))])
+                self.backend.put_many([(key, pack(self.ns, key, text.encode()))])
         except Exception:  # noqa: BLE001
             pass
 
@@ -330,6 +331,11 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(report, AdapterReport):  # (the adapters the workers hold)
                 self._adapters.learn(report)
             self._sched.update_connector_output(connector_output)
+
+    def blocks_to_evict(self, invalid_block_ids: set[int]) -> set[int]:
+        """(``hybrid-load-recompute``) The blocks of failed loads and every
+        block computed from them, held by running requests or not."""
+        return self._sched.blocks_to_evict(invalid_block_ids) if self._sched else set()
 
     def request_finished(self, request: Any, block_ids: list[int]):
         self._adapters.forget(request)

@@ -68,9 +68,39 @@ class Faults:
     #: fault injection: the Mooncake backend's first this many block-object
     #: puts of a process report a transfer failure (-800) without writing
     mooncake_put_transfer_fails: int = 0
+    #: an asynchronous load reported done leaves the scheduler's record of its
+    #: pins as it was (the rule before the fix: a re-lookup within
+    #: pin_seconds/2, after a preemption, skips the backend pin)
+    async_pins_kept: bool = False
+    #: a layer's load time counts from its submission, the wait for compute to
+    #: reach the layer (the fence) included (the rule before the fix)
+    load_seconds_with_fence: bool = False
+    #: every TP rank's worker reports the figures per request (hit tokens,
+    #: blocks saved, failed loads) and the scheduler does not count failed
+    #: loads (the rule before the fix: vLLM sums them over the ranks)
+    stats_every_rank: bool = False
+    #: the directories above the pool are checked only before the missing ones
+    #: are created, by name (the rule before the fix: not once created and
+    #: resolved, not through the descriptor the pool is made in)
+    parents_checked_first_only: bool = False
+    #: Mooncake's client setup is attempted once the master's port accepts a
+    #: connection, without a request answered first (the rule before the fix)
+    mooncake_setup_unprobed: bool = False
     #: the hybrid-block-size guard holds only where alignment ran (the rule
     #: before the engine-core fix: the engine core's block size is reset)
     block_size_guard_alignment_only: bool = False
+    #: saves cover only the blocks a step completes whose hash is known then
+    #: (the planning before the fix: decode blocks are lost under async scheduling)
+    save_step_blocks_only: bool = False
+    #: a failed load's blocks leave vLLM's prefix cache only when a running
+    #: request holds them (the rule before the fix)
+    evict_running_holders_only: bool = False
+    #: the scheduler forgets an ended request at its next step (the rule
+    #: before the fix: a failure reported later maps to nobody)
+    forget_ended_at_once: bool = False
+    #: values are checked without their key digest (the rule before value
+    #: format 4: a sound value of another key of the namespace passes)
+    value_key_blind: bool = False
     #: the connector ignores weight changes and reset_cache (the rule before
     #: the fix: one namespace for the engine's life, whatever its weights)
     weights_change_blind: bool = False

@@ -54,8 +54,10 @@ METRICS: tuple[Metric, ...] = (
            "Bytes loaded from the pool into KV pages, one sample per worker step that "
            "loaded (`_sum`: all bytes loaded).", BYTE_BUCKETS),
     Metric("load_seconds", "histogram", "load_seconds_samples",
-           "Load threads' time per worker step, summed over layers: from a layer's load "
-           "start (waiting for compute to reach the layer included) to its pages in place.",
+           "Load threads' time per worker step, summed over layers: reading a layer's "
+           "pages from the pool and placing them (the transfer alone: not the wait for "
+           "compute to reach the layer before its pages may be written, nor the forward's "
+           "wait, which is `load_wait_seconds`).",
            SECOND_BUCKETS),
     Metric("load_wait_seconds", "histogram", "wait_seconds_samples",
            "Exposed load wait: time the forward blocked on pool loads, per worker step.",
@@ -67,15 +69,21 @@ METRICS: tuple[Metric, ...] = (
            "Send thread's time packing and writing saves, per worker step.",
            SECOND_BUCKETS),
     Metric("blocks_saved", "counter", "blocks_saved",
-           "Blocks committed to the pool (each TP rank's commit counts)."),
+           "Blocks committed to the pool, once per engine whatever the TP size (TP rank "
+           "0's commits; every rank commits its own pages of a block)."),
     Metric("failed_loads", "counter", "load_failures",
-           "Requests whose pool load failed, handed to `kv_load_failure_policy` (counted "
-           "by each worker that saw the failure)."),
+           "Requests whose pool load failed, handed to `kv_load_failure_policy`: once per "
+           "request and engine, whichever TP ranks failed (the scheduler counts what "
+           "vLLM learns)."),
     Metric("skipped_saves", "counter", "saves_skipped",
            "Saves skipped for want of room: pinned entries fill the pool, or its "
            "filesystem is full."),
     Metric("failed_saves", "counter", "save_failures",
            "Saves that failed with a backend error (their blocks are not stored)."),
+    Metric("refused_saves", "counter", "saves_tainted",
+           "Block saves (a block's attention pages, or a boundary state) refused because "
+           "they may be computed from a failed load's pages (the worker's quarantine, "
+           "until the scheduler has taken the failure; counted by each TP rank)."),
     Metric("put_skipped", "counter", "put_skipped",
            "Mooncake block objects given up: their put failed with a transfer error "
            "(-800, e.g. a segment holder just restarted) and again when retried once; "

@@ -8,6 +8,10 @@ waited on loads.  Besides the summed counters, a stats payload may carry
 per-step samples (lists: Prometheus histograms, :meth:`PoolStats.sample_step`)
 and the pool's fill (gauges: the latest value wins); both come through vLLM's
 aggregation across workers and steps and reach ``.prom``.
+
+vLLM sums the workers' payloads over the TP ranks: bytes and times add up,
+but a figure per request (:data:`ONCE_PER_ENGINE`) would count each request
+once per rank, so each comes from one place only (:func:`worker_share`).
 """
 
 from __future__ import annotations
@@ -21,14 +25,33 @@ COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
             "bytes_saved", "save_seconds", "blocks_saved", "load_failures",
             "saves_skipped", "save_failures", "evictions", "save_write_seconds",
             "save_cpu_seconds", "save_hook_seconds", "precopy_seconds", "put_skipped",
+            "saves_tainted",
             # the scheduler's: once per engine whatever the TP size
             "lookup_hit_tokens", "lookup_hit_blocks", "shared_load_waits",
             "shared_load_timeouts")
+#: figures per request, counted once per engine whatever the TP size (every
+#: rank loads and saves the same requests' blocks, each its own pages):
+#: "rank0" - only TP rank 0's worker reports it; "scheduler" - the scheduler
+#: side counts it (a failed load: vLLM reports a request's failure once,
+#: whichever ranks failed), the workers' own counts are not reported
+ONCE_PER_ENGINE = {"hit_tokens": "rank0", "blocks_saved": "rank0",
+                   "load_failures": "scheduler"}
 #: the pool's fill, sent by the scheduler side (latest value wins)
 GAUGES = ("pool_used_bytes", "pool_capacity_bytes", "pool_entries")
 #: counters of which each worker step's amount is also kept as a sample
 #: (``<name>_samples``: one list entry per worker step that moved data)
 SAMPLED = ("bytes_loaded", "load_seconds", "wait_seconds", "bytes_saved", "save_seconds")
+
+
+def worker_share(data: dict[str, Any], tp_rank: int, every_rank: bool = False
+                 ) -> dict[str, Any]:
+    """What one worker reports of its stats ``data``: the figures per request
+    only on TP rank 0, and not those the scheduler counts (``every_rank``:
+    the rule before the fix, tests only - each rank reports them all)."""
+    if every_rank:
+        return data
+    mine = {k for k, who in ONCE_PER_ENGINE.items() if who == "rank0" and tp_rank == 0}
+    return {k: v for k, v in data.items() if k not in ONCE_PER_ENGINE or k in mine}
 
 
 @dataclasses.dataclass
@@ -88,6 +111,7 @@ class PoolStats(KVConnectorStats):
             "Requests with failed loads": int(d["load_failures"]),
             "Saves skipped (pool full)": int(d["saves_skipped"]),
             "Failed saves": int(d["save_failures"]),
+            "Saves refused after a failed load": int(d["saves_tainted"]),
             "Block objects given up (transfer failed twice)": int(d["put_skipped"]),
             "Blocks evicted": int(d["evictions"]),
             "Lookups waiting on a shared load": int(d["shared_load_waits"]),

@@ -17,6 +17,7 @@ def _prompt(spec: dict[str, Any]) -> list[int]:
     from .tiny_model import tiny_prompt
 
     p = tiny_prompt(*spec["prefix"]) if spec.get("prefix") else []
+    p = p + list(spec.get("tokens") or [])  # (e.g. a reply, for the next turn)
     if spec.get("suffix"):
         p = p + tiny_prompt(*spec["suffix"])
     return p
@@ -110,12 +111,14 @@ def _serve(llm: Any, phase: dict[str, Any], sp: Any, spec: dict[str, Any], probe
         if probe is not None:
             probe.clear()
         try:
-            o = llm.generate([prompt], sp, use_tqdm=False)[0]
+            got = llm.generate([prompt], sp, use_tqdm=False)
+            if not got:
+                raise RuntimeError("no output: the request was aborted")
         except Exception as exc:  # noqa: BLE001 - does the engine go on?
             out.append({"tokens": [], "cached": 0, "logprobs": [], "drafts": None,
                         "error": f"{type(exc).__name__}: {exc}"})
             continue
-        out.append(_output(o, probe, max_tokens))
+        out.append(_output(got[0], probe, max_tokens))
     return out
 
 
@@ -194,6 +197,11 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         return {"out": out, "error": f"{type(exc).__name__}: {exc}"}
     if spec.get("fill"):
         _fill(*spec["fill"])
+    interrupted = None
+    if spec.get("interrupt_loading"):  # (in-process engine core)
+        from .engine_interrupts import install
+
+        interrupted = install(llm, spec["interrupt_loading"])
     phases = spec.get("phases") or [{"prompts": spec["prompts"], "batch": spec.get("batch")}]
     seconds = []
     for i, phase in enumerate(phases):
@@ -201,7 +209,10 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         if phase.get("weights"):
             engine_controls.change_weights(llm, phase["weights"])
         t0 = time.perf_counter()
-        served_now = _serve(llm, phase, sp, spec, probe, max_tokens)
+        n = phase.get("max_tokens", max_tokens)  # (a phase may ask for more)
+        phase_sp = sp if n == max_tokens else SamplingParams(
+            temperature=0, max_tokens=n, ignore_eos=True, logprobs=sp.logprobs)
+        served_now = _serve(llm, phase, phase_sp, spec, probe, n)
         seconds.append(time.perf_counter() - t0)
         for o in served_now:
             o["phase"] = i
@@ -210,7 +221,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         llm.llm_engine.do_log_stats()  # flush vLLM's stats log (KV Transfer metrics)
     except Exception:  # noqa: BLE001
         pass
-    return engine_controls.report(spec, {"out": out, "phase_seconds": seconds, "error": None})
+    return engine_controls.report(spec, {"out": out, "phase_seconds": seconds, "error": None,
+                                         "interrupted": interrupted})
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ with the overlay and the CPU emulation in its environment; the child builds
 the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 
 ``model``        model directory;
-``prompts``      prompt specs: ``{"prefix": [n, seed], "suffix": [n, seed]}``
-                 (``tiny_prompt`` segments; prompts with one prefix seed share
-                 that prefix);
+``prompts``      prompt specs: ``{"prefix": [n, seed], "tokens": [ids],
+                 "suffix": [n, seed]}`` (``tiny_prompt`` segments around
+                 literal token ids; prompts with one prefix seed share that
+                 prefix);
 ``pool``         ``kv_connector_extra_config`` of the LayerwisePoolConnector,
                  or None for no connector; ``policy``: its
                  ``kv_load_failure_policy``; ``role``: its ``kv_role``
@@ -35,7 +36,8 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
                  that size (or until the filesystem is full) - a pool
                  filesystem filling up at runtime;
 ``phases``       instead of ``prompts``/``batch``: a list of
-                 ``{"prompts", "batch", "announce", "wait_for", "kill"}``, served
+                 ``{"prompts", "batch", "max_tokens", "announce", "wait_for",
+                 "kill"}``, served
                  in order; before a phase the child creates the file
                  ``announce``, then waits until the file ``wait_for`` exists
                  (the test acts in between: kills a process, restarts a
@@ -50,8 +52,12 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 ``umask``        the child's umask (e.g. 0: files as permissive as allowed);
 ``exact_load_bytes`` vLLM's "KV Transfer metrics" lines also give
                  ``Loaded (bytes)``, the bytes the workers loaded, unrounded;
-``weights_trace`` the result's ``weights_trace``: ``pool.weights.TRACE`` and
+``weights_trace`` the result's ``weights_trace``: ``pool.identity.weights.TRACE`` and
                  when vLLM read the weights files (``engine_controls``);
+``interrupt_loading`` ``"abort"`` / ``"preempt"``: the requests of the
+                 first step that loads from the pool end before that step's
+                 output is processed (:mod:`.engine_interrupts`; the
+                 result's ``interrupted`` names them);
 ``startup``      instead of prompts, ``{name: kv_connector_extra_config}``:
                  start one engine per config in this process and report each
                  start's error (None when it started).

@@ -3,12 +3,18 @@
 A value is raw bytes behind a fixed header - never pickle::
 
     magic "VLPV" | version u8 | checksum algorithm u8 | reserved u16 |
-    length u64 | checksum u64 | namespace 16 bytes                   (40 bytes)
+    length u64 | checksum u64 | key digest u64 | namespace 16 bytes  (48 bytes)
 
 ``length`` and the checksum cover the payload (xxh3-64, about 10 GB/s here,
 where the ``xxhash`` package is installed - it comes with the ``pool`` extra -
 else crc32); ``namespace`` is the pool namespace fingerprint, so an entry
 written for another model or layout is recognised even under a colliding key.
+The key digest (:func:`key_digest`: blake2b-64 of the value's full key) names
+the one key the value was written under - block hash, kind, rank, layer and
+a drafter page's next token - so a value read from the wrong place (a
+Mooncake range read through a replica list that outlived its object, whose
+extent another block's object of the same size took) fails its check
+(``other-key``) although its header, namespace and checksum are sound.
 
 Entries are grouped (:func:`..keys.group_of`: everything before a key's last
 ``/``): a block's pages of one kind on one rank and their commit marker.
@@ -26,17 +32,23 @@ from __future__ import annotations
 
 import abc
 import collections
+import hashlib
 import struct
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..faults import faults
+
 MAGIC = b"VLPV"
-VERSION = 3
-#: magic, version, checksum id, reserved, payload length, checksum, 8 bytes
-#: of padding, namespace: 48 bytes, so that a value starting VALUE_OFFSET
-#: past a 64-byte boundary has its payload on one
-_HEADER = struct.Struct("<4sBBHQQ8x16s")
+#: 4: the key digest (in what were 8 bytes of padding); values of 3 name no
+#: key, and live under other namespaces (the version is part of the format
+#: every namespace covers, :mod:`..identity.namespace`): never read
+VERSION = 4
+#: magic, version, checksum id, reserved, payload length, checksum, key
+#: digest, namespace: 48 bytes, so that a value starting VALUE_OFFSET past a
+#: 64-byte boundary has its payload on one
+_HEADER = struct.Struct("<4sBBHQQQ16s")
 HEADER_SIZE = _HEADER.size
 #: where values start, modulo 64, in the buffers the pool lays out (as in
 #: LMDB's overflow pages, whose data starts 16 bytes in): payloads are then
@@ -63,9 +75,17 @@ CHECKSUMS = _checksums()
 WRITE_CHECKSUM = XXH3 if XXH3 in CHECKSUMS else CRC32
 
 
+def key_digest(key: bytes) -> int:
+    """The 64-bit digest of a value's full key in its header (blake2b: the
+    same in every build, whether or not ``xxhash`` is installed)."""
+    return int.from_bytes(hashlib.blake2b(bytes(key), digest_size=8).digest(), "little")
+
+
 class CorruptEntry(ValueError):
     """A stored value failed validation; ``kind`` names how (for logging once
-    per kind): ``bad-header``, ``truncated``, ``checksum``, ``foreign-namespace``."""
+    per kind): ``bad-header``, ``truncated``, ``checksum``,
+    ``foreign-namespace``, ``other-key`` (a sound value written under
+    another key)."""
 
     def __init__(self, kind: str, key: bytes, detail: str) -> None:
         super().__init__(f"pool entry {key!r}: {kind}: {detail}")
@@ -75,6 +95,10 @@ class CorruptEntry(ValueError):
 
 class BackendError(RuntimeError):
     """A backend operation failed (I/O, server, injected fault)."""
+
+    #: the backend logged this condition itself, saying what it means (a
+    #: Mooncake master down: once per outage); callers need not say it again
+    announced = False
 
 
 class PoolFull(BackendError):
@@ -86,24 +110,27 @@ class PoolUnusable(BackendError):
     another program's LMDB): the message names the file."""
 
 
-def header(namespace: bytes, payload: Any) -> bytes:
-    """The header of a value whose payload is ``payload`` (any buffer)."""
+def header(namespace: bytes, key: bytes, payload: Any) -> bytes:
+    """The header of the value stored under ``key`` whose payload is
+    ``payload`` (any buffer)."""
     payload = memoryview(payload).cast("B")
     return _HEADER.pack(MAGIC, VERSION, WRITE_CHECKSUM, 0, payload.nbytes,
-                        CHECKSUMS[WRITE_CHECKSUM](payload), namespace[:16].ljust(16, b"\0"))
+                        CHECKSUMS[WRITE_CHECKSUM](payload), key_digest(key),
+                        namespace[:16].ljust(16, b"\0"))
 
 
-def pack(namespace: bytes, payload: bytes | memoryview) -> bytes:
-    """Header and payload as one bytes object (small values; the save path
-    packs pages in place, see :class:`..pipeline.SaveQueue`)."""
-    return header(namespace, payload) + memoryview(payload).cast("B").tobytes()
+def pack(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
+    """Header and payload as one bytes object, the value of ``key`` (small
+    values; the save path packs pages in place, see
+    :class:`...worker.send_thread.PackArena`)."""
+    return header(namespace, key, payload) + memoryview(payload).cast("B").tobytes()
 
 
 def unpack(key: bytes, value: bytes | memoryview, namespace: bytes,
            expected_length: int | None = None, check_crc: bool = True) -> memoryview:
-    """Validate ``value`` and return a view of its payload (raises CorruptEntry).
-    ``check_crc=False`` skips only the checksum (header, namespace and length
-    are always checked)."""
+    """Validate ``value``, read as the value of ``key``, and return a view of
+    its payload (raises CorruptEntry).  ``check_crc=False`` skips only the
+    checksum (header, namespace, key and length are always checked)."""
     view = memoryview(value)
     if view.nbytes < HEADER_SIZE:
         raise CorruptEntry("truncated", key, f"{view.nbytes} bytes, header needs {HEADER_SIZE}")
@@ -114,14 +141,17 @@ def unpack(key: bytes, value: bytes | memoryview, namespace: bytes,
 
 def verify(key: bytes, head: Any, payload: memoryview, namespace: bytes,
            expected_length: int | None = None, check_crc: bool = True) -> None:
-    """Validate a value read as its header ``head`` and its ``payload`` (which
-    a direct read may have put straight into a KV page): raises CorruptEntry."""
-    magic, version, algo, _r, length, checksum, ns = _HEADER.unpack_from(head)
+    """Validate the value of ``key``, read as its header ``head`` and its
+    ``payload`` (which a direct read may have put straight into a KV page):
+    raises CorruptEntry."""
+    magic, version, algo, _r, length, checksum, digest, ns = _HEADER.unpack_from(head)
     if magic != MAGIC or version != VERSION or algo not in CHECKSUMS:
         raise CorruptEntry("bad-header", key,
                            f"magic {magic!r} version {version} checksum {algo}")
     if ns != namespace[:16].ljust(16, b"\0"):
         raise CorruptEntry("foreign-namespace", key, f"namespace {ns.hex()}")
+    if digest != key_digest(key) and not faults().value_key_blind:
+        raise CorruptEntry("other-key", key, f"the value of another key (digest {digest:016x})")
     if payload.nbytes != length:
         raise CorruptEntry("truncated", key, f"payload {payload.nbytes} of {length} bytes")
     if expected_length is not None and length != expected_length:

@@ -1,8 +1,13 @@
 """The pool directory, opened once and used through descriptors
 (the rules are :mod:`.security`'s).
 
-The directory is opened with ``O_NOFOLLOW | O_DIRECTORY`` after the
-directories above it were checked, then checked through its descriptor;
+The directories above it are checked by name before a missing one is
+created; then, created and resolved, they are opened one by one from ``/``
+without following a link and checked again through those descriptors, and
+the pool directory is made and opened in the last of them (a directory
+created by someone else or a link swapped meanwhile is refused, not
+followed).  The pool directory is opened with ``O_NOFOLLOW | O_DIRECTORY``
+and checked through its descriptor;
 every file is opened relative to it with ``O_NOFOLLOW`` and checked with
 ``fstat``; modes and the shared group are set with ``fchmod``/``fchown`` on
 those descriptors.  Nothing is ever changed by path, so a group member who
@@ -18,12 +23,15 @@ import os
 import stat
 
 from ..config import PREFIX, PoolConfigError
+from ..faults import faults
 from .security import (POOL_FILES, PRIVATE_MODES, SHARED_MODES, Verdict, group_id,
-                       group_name, inspect, parent_problems, refuse, user_name)
+                       group_name, inspect, parent_dir_problems, parent_problems, refuse,
+                       user_name)
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _warned: set[str] = set()
 
 
@@ -39,8 +47,48 @@ def _make_parents(path: str) -> None:
         try:
             os.mkdir(d, 0o755)
         except FileExistsError:
-            continue
-        os.chmod(d, 0o755)  # (just made by us; the umask may have narrowed or not)
+            continue  # (someone else's: checked with the others once all exist)
+        try:  # just made by us; the umask may have narrowed it or not
+            fd = os.open(d, _DIR)  # (never chmod through a link swapped in since)
+        except OSError:
+            continue  # (the check that follows refuses what stands there now)
+        try:
+            os.fchmod(fd, 0o755)
+        finally:
+            os.close(fd)
+
+
+def _open_parent(path: str, shared_group: str | None) -> tuple[int, str]:
+    """The directory above the pool as it is now (created, resolved): opened
+    component by component from ``/`` without following a link, each one
+    checked through its descriptor, so the directory the pool is made in is
+    the one checked.  Returns its descriptor and resolved name."""
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    if faults().parents_checked_first_only:  # the rule before the fix (tests)
+        return os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), parent
+    fd, here = os.open("/", _DIR), "/"
+    try:
+        problems = parent_dir_problems(here, os.fstat(fd))
+        for name in [p for p in parent.split("/") if p]:
+            here = os.path.join(here, name)
+            try:
+                fd_next = os.open(name, _DIR, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                    raise
+                problems.append(f"{here} above it changed while the pool was opened "
+                                f"({os.strerror(exc.errno).lower()})")
+                break
+            os.close(fd)
+            fd = fd_next
+            problems += parent_dir_problems(here, os.fstat(fd))
+        if problems:
+            base = os.path.basename(os.path.abspath(path))
+            raise refuse(Verdict.of(os.path.join(parent, base), None, problems), shared_group)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parent
 
 
 class PoolDir:
@@ -114,29 +162,33 @@ def open_pool_dir(path: str, shared_group: str | None = None) -> PoolDir:
     if shared_gid is not None and os.geteuid() != 0 and shared_gid not in os.getgroups():
         raise PoolConfigError(f"{PREFIX}.shared_group: this user is not a member of "
                               f"{shared_group!r}")
-    problems = parent_problems(path)
+    problems = parent_problems(path)  # before anything is created
     if problems:
         raise refuse(Verdict.of(path, None, problems), shared_group)
     _make_parents(path)
-    # the directories above are checked: use their resolved names from here on
-    path = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))),
-                        os.path.basename(os.path.abspath(path)))
+    # ... and again as they are now, through the descriptor the pool is made in
+    parent_fd, parent = _open_parent(path, shared_group)
+    name = os.path.basename(os.path.abspath(path))
+    path = os.path.join(parent, name)
     dir_mode = (SHARED_MODES if shared_gid is not None else PRIVATE_MODES)[0]
     try:
-        os.mkdir(path, 0o700)  # (its group and mode are set below, on the descriptor)
-        created = True
-    except FileExistsError:
-        created = False
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            st = os.lstat(path)
-            what = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else
-                    "is not a directory")
-            raise refuse(Verdict.of(path, st, [f"the pool path {what}"]),
-                         shared_group) from None
-        raise
+        try:  # (its group and mode are set below, on the descriptor)
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+            created = True
+        except FileExistsError:
+            created = False
+        try:
+            fd = os.open(name, _DIR, dir_fd=parent_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+                what = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else
+                        "is not a directory")
+                raise refuse(Verdict.of(path, st, [f"the pool path {what}"]),
+                             shared_group) from None
+            raise
+    finally:
+        os.close(parent_fd)
     pool = PoolDir(path, fd, shared_group)
     try:
         st = os.fstat(fd)

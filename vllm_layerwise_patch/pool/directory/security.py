@@ -22,7 +22,11 @@ So, before anything is read:
 * every directory above the pool, up to ``/``, must be owned by root or this
   user and writable by nobody else - unless it has the sticky bit (then
   others may write only if root owns it, like ``/dev/shm`` and ``/tmp``):
-  whoever can write there could replace the pool directory.
+  whoever can write there could replace the pool directory.  They are
+  checked before a missing one is created, and again once created and
+  resolved, through descriptors opened one by one from ``/`` without
+  following a link (:mod:`.directory.descriptors`): a directory created or
+  a link swapped meanwhile is what the second check sees.
 
 A group member is trusted with entries, not with this user's other files:
 modes and owners are set through descriptors opened without following
@@ -141,24 +145,27 @@ def ancestors(path: str) -> list[str]:
     return [d for d in reversed(chain) if os.path.isdir(d)]
 
 
+def parent_dir_problems(d: str, st: os.stat_result) -> list[str]:
+    """What lets someone else rename the pool in ``d``, a directory above
+    it (``st``: its status)."""
+    problems = []
+    owner = user_name(st.st_uid)
+    if st.st_uid not in (0, os.geteuid()):
+        problems.append(f"{d} above it is owned by {owner} (neither root nor this user)")
+    sticky = bool(st.st_mode & stat.S_ISVTX)
+    if st.st_mode & stat.S_IWOTH and not (sticky and st.st_uid == 0):
+        problems.append(f"{d} above it is writable by others "
+                        f"({oct(stat.S_IMODE(st.st_mode))}, owner {owner})"
+                        + ("" if sticky else " without the sticky bit"))
+    elif st.st_mode & stat.S_IWGRP and not sticky:
+        problems.append(f"{d} above it is writable by its group {group_name(st.st_gid)} "
+                        f"({oct(stat.S_IMODE(st.st_mode))}) without the sticky bit")
+    return problems
+
+
 def parent_problems(path: str) -> list[str]:
     """Directories above the pool that someone else could rename it in."""
-    uid = os.geteuid()
-    problems = []
-    for d in ancestors(path):
-        st = os.stat(d)
-        owner = user_name(st.st_uid)
-        if st.st_uid not in (0, uid):
-            problems.append(f"{d} above it is owned by {owner} (neither root nor this user)")
-        sticky = bool(st.st_mode & stat.S_ISVTX)
-        if st.st_mode & stat.S_IWOTH and not (sticky and st.st_uid == 0):
-            problems.append(f"{d} above it is writable by others "
-                            f"({oct(stat.S_IMODE(st.st_mode))}, owner {owner})"
-                            + ("" if sticky else " without the sticky bit"))
-        elif st.st_mode & stat.S_IWGRP and not sticky:
-            problems.append(f"{d} above it is writable by its group {group_name(st.st_gid)} "
-                            f"({oct(stat.S_IMODE(st.st_mode))}) without the sticky bit")
-    return problems
+    return [p for d in ancestors(path) for p in parent_dir_problems(d, os.stat(d))]
 
 
 def check_pool_path(path: str, shared_group: str | None = None) -> Verdict:

@@ -15,7 +15,8 @@ hit's last block can miss it (the request continues differently): the hit
 is then one block shorter - where the old rule trimmed every hit.
 
 With ``verify_on_lookup`` the entries behind a hit are read and checked
-(length, checksum, namespace) before the hit is reported: a damaged or
+(length, checksum, namespace, the key each was written under) before the
+hit is reported: a damaged or
 missing page shortens the hit and drops its whole block (pages and marker)
 from the pool, so that block is saved again when it is next computed.
 

@@ -8,7 +8,9 @@ scheduler releases whatever is left when the request finishes;
 a hit could load *before* verifying them (what was verified then stays), and
 vLLM asking again while the request waits for KV space costs no call.  After
 a load has been handed to the workers (who release its pins) the request's
-record is stale: a later lookup (a preemption) pins anew.
+record is stale: a later lookup (a preemption) pins anew.  A load in a
+forward is handed over when it is planned; an asynchronous one when the
+workers report it done (until then the scheduler refreshes its pins).
 """
 
 from __future__ import annotations

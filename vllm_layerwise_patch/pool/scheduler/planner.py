@@ -30,29 +30,22 @@ pool.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
 from ..faults import pause_here
 from ..identity.adapters import adapter_of
-from .inflight import InflightLoads
 from ..keys import ATTN, STATE, group_key
 from ..layout import PoolLayout
-from .lookup import PoolLookup
 from ..metadata import LoadSpec, PoolMetadata, load_groups
-from .pins import Pins
-from .save_plan import plan_saves
 from ..side import PoolSide, kv_roles
+from .failures import StepRecords, steps_in_flight
+from .inflight import InflightLoads
+from .lookup import PoolLookup
+from .pins import Pins
+from .saves import SavePlanner, Tracked
 
 logger = logging.getLogger("vllm.layerwise_patch")
-
-
-@dataclasses.dataclass
-class _Tracked:
-    request: Any
-    blocks: list[list[int]]  # per group, as the worker's block table holds them
-    loaded_end: int = 0
 
 
 class PoolScheduler:
@@ -65,15 +58,15 @@ class PoolScheduler:
         self._pending: dict[str, int] = {}  # req_id -> hit blocks (lookup -> alloc)
         self.pins = Pins(backend, config.pin_seconds)
         self._failures_seen: list[str] = []  # for the workers (PoolMetadata)
-        self._issued: dict[str, set[int]] = {}  # req_id -> block ids its loads fill
-        # finished since the last step: vLLM finishes a request whose load
-        # failed (policy "fail") before it hands the connector that step's
-        # output, which still names the request's blocks
-        self._gone: set[str] = set()
+        # the loads of the steps whose outputs are pending, the tables of
+        # requests that ended meanwhile (a failure reported later still maps)
+        self.records = StepRecords(steps_in_flight(vllm_config),
+                                   forget_ended_at_once=self.faults.forget_ended_at_once)
         self._load_failed: set[str] = set()  # requests recomputing after a failed load
         self._retired: set[str] = set()  # known before the weights changed: no pool
         self._loads: list[LoadSpec] = []
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
+        self.saves = SavePlanner(layout, self.hits, self.faults)
         self._report_errors: bool | None = None
         ktc, self.loads_on, self.saves_on = kv_roles(vllm_config)
         # vLLM plans step N+1 before it processes step N's output: a failed
@@ -95,7 +88,7 @@ class PoolScheduler:
                                        (self.loads_on, self.saves_on)]
                     + (", loads asynchronous" if self.load_async else "")
                     + "; async_scheduling=%s" % self.async_scheduling)
-        self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0}
+        self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0, "load_failures": 0}
 
     def _pin_candidates(self, rid: str):
         """What :meth:`lookup` calls before it verifies a hit's entries: pin
@@ -145,7 +138,7 @@ class PoolScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         if request.request_id in self._retired or self.ns is None:
-            self._tracked.setdefault(request.request_id, _Tracked(request, []))
+            self._tracked.setdefault(request.request_id, Tracked(request, []))
             self.pins.release(request.request_id)
             return 0, False  # (no pool: the weights changed, or cannot be named)
         if (self.load_async and request.request_id not in self._load_failed
@@ -155,8 +148,7 @@ class PoolScheduler:
         self.stats["lookups"] += 1
         self.stats["query_tokens"] += max(0, request.num_tokens - num_computed_tokens)
         rid = request.request_id
-        tracked = self._tracked.setdefault(rid, _Tracked(request, []))
-        tracked.loaded_end = 0  # (again, after a preemption)
+        self._tracked.setdefault(rid, Tracked(request, [])).looked_up()
         self._pending.pop(rid, None)
         if rid in self._load_failed or not self.loads_on or not self._reads_cache(request):
             self.pins.release(rid)
@@ -207,17 +199,15 @@ class PoolScheduler:
             # each worker releases its rank's pins once this load has read the
             # pool: a later lookup of the request (after a preemption) pins anew
             self.pins.handed_over(request.request_id)
-        self._issued[request.request_id] = {b for ids in attn.values() for b in ids} | set(
-            mamba.values())
+        self.records.load_issued(request.request_id, {b for ids in attn.values()
+                                                      for b in ids} | set(mamba.values()))
         self.stats["hit_tokens"] += num_external_tokens
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request, []))
+        tracked = self._tracked.setdefault(request.request_id, Tracked(request, []))
         tracked.loaded_end = k
 
     # -- per-step metadata -----------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> PoolMetadata:
-        for rid in self._gone:
-            self._issued.pop(rid, None)
-        self._gone.clear()
+        self.records.next_step()
         B = self.block_size
         steps: list[tuple[str, int, int]] = []  # (req_id, computed before, scheduled)
         for new in scheduler_output.scheduled_new_reqs:
@@ -253,8 +243,8 @@ class PoolScheduler:
         try:
             if self.saves_on and self.ns is not None:
                 self.hits.note_generation()
-                saves = plan_saves(steps, self._tracked, self.layout, self.hits,
-                                   skip=self._retired)
+                saves = self.saves.plan(steps, self._tracked, self.records.step,
+                                        skip=self._retired)
         except Exception as exc:  # noqa: BLE001 - a missed save only costs a hit
             self.log.warning("save-plan-error", "vllm-layerwise-patch pool: planning saves "
                             "failed (%s: %s); this step's blocks are not stored (further "
@@ -268,6 +258,7 @@ class PoolScheduler:
     def _refresh_pins(self) -> None:
         """Pins of asynchronous loads in flight last until they are done."""
         for rid in self._inflight:
+            self.records.still_loading(rid)
             try:
                 self.pins.refresh(rid)
             except Exception:  # noqa: BLE001 - pins expire after pin_seconds anyway
@@ -307,12 +298,15 @@ class PoolScheduler:
             if rid in self._orphans:  # its request ended while loading
                 self._orphans.discard(rid)
                 self.pins.release(rid)
-        failed = {rid for rid in getattr(connector_output, "failed_recving", None) or ()
-                  if rid in self._tracked}
+            elif not self.faults.async_pins_kept:  # the workers released them (.pins)
+                self.pins.handed_over(rid)
+        reported = set(getattr(connector_output, "failed_recving", None) or ())
+        failed = {rid for rid in reported if rid in self._tracked}
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
-            failed |= {rid for rid, ids in self._issued.items() if ids & invalid}
+            failed |= self.records.failed_requests(set(invalid))
         self._failures_seen += sorted(failed)
+        self.stats["load_failures"] += len((failed | reported) - self._load_failed)
         for rid in failed:
             self.shared_loads.ended(rid)
         for rid in sorted(failed - self._load_failed):
@@ -320,11 +314,19 @@ class PoolScheduler:
             logger.info("vllm-layerwise-patch pool: request %s recomputes without the "
                         "pool after a failed load", rid)
 
+    def blocks_to_evict(self, invalid_block_ids: set[int]) -> set[int]:
+        """The blocks of failed loads and every block computed from them, by
+        running and ended requests alike (``hybrid-load-recompute`` evicts
+        them from vLLM's prefix cache)."""
+        return self.records.derived_blocks(
+            invalid_block_ids, {rid: t.blocks for rid, t in self._tracked.items()})
+
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
-        self._tracked.pop(rid, None)
+        t = self._tracked.pop(rid, None)
+        if t is not None:
+            self.records.request_ended(rid, t.blocks)
         self._pending.pop(rid, None)
-        self._gone.add(rid)
         self._load_failed.discard(rid)
         self._retired.discard(rid)
         self.shared_loads.forget(rid)

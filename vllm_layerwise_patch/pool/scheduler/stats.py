@@ -1,10 +1,11 @@
 """What the scheduler side adds to the connector's stats (vLLM asks the
 scheduler's connector for stats after every step's output): the tokens and
-blocks its lookups served from the pool - counted once per engine, where the
-workers' counts repeat on every TP rank -, the lookups that waited for
-another request's load of the same blocks (``inflight``), and the pool's fill (embedded
-backend), read at most once per ``interval`` seconds and sent only when it
-changed, so an idle pool adds nothing to vLLM's periodic log line."""
+blocks its lookups served from the pool and the requests whose loads failed
+- counted once per engine, where the workers' counts would repeat on every
+TP rank -, the lookups that waited for another request's load of the same
+blocks (``inflight``), and the pool's fill (embedded backend), read at
+most once per ``interval`` seconds and sent only when it changed, so an idle
+pool adds nothing to vLLM's periodic log line."""
 
 from __future__ import annotations
 
@@ -17,18 +18,22 @@ from ..stats import PoolStats
 
 #: running totals of the scheduler side sent as increments: name in the
 #: scheduler's counts -> counter in :class:`PoolStats`
-DELTAS = {"waits": "shared_load_waits", "timeouts": "shared_load_timeouts"}
+DELTAS = {"waits": "shared_load_waits", "timeouts": "shared_load_timeouts",
+          "load_failures": "load_failures"}
 
 
 class SchedulerSideStats:
     def __init__(self, counts: Callable[[], dict[str, int]], backend: Any, block_size: int,
-                 interval: float = 1.0) -> None:
+                 interval: float = 1.0, failures: bool = True) -> None:
         self.counts = counts  # the scheduler's running totals (PoolScheduler.stats)
+        # (False: the failed loads are left to the workers, every TP rank's - the
+        # rule before the fix, tests only)
+        self.deltas = {k: v for k, v in DELTAS.items() if failures or k != "load_failures"}
         self.backend = backend
         self.block_size = max(1, int(block_size))
         self.interval = interval
         self._hit_tokens = 0
-        self._sent = dict.fromkeys(DELTAS, 0)
+        self._sent = dict.fromkeys(self.deltas, 0)
         self._next_fill = 0.0
         self._fill: dict[str, int] | None = None
 
@@ -43,7 +48,7 @@ class SchedulerSideStats:
             out["lookup_hit_tokens"] = hit - self._hit_tokens
             out["lookup_hit_blocks"] = hit // B - self._hit_tokens // B
             self._hit_tokens = hit
-        for name, counter in DELTAS.items():
+        for name, counter in self.deltas.items():
             n = int(counts.get(name, 0))
             if n != self._sent[name]:
                 out[counter] = n - self._sent[name]

@@ -239,6 +239,8 @@ class PoolWorker:
         tainted += [s for s in meta.saves if s.req_id in self._foreign]
         if self._copy_missing():
             saves, tainted = [], meta.saves
+        if tainted:
+            self.stats.add(saves_tainted=sum(len(s.attn) + len(s.mamba) for s in tainted))
         self.saves.finish_step(meta, saves, tainted, bulk=not self.layerwise)
         self._hook_seconds += time.perf_counter() - t0
         self.saves.flush_events()
@@ -265,15 +267,17 @@ class PoolWorker:
         return True
 
     def take_stats(self):
-        """Stats since the last call (vLLM polls once per step), or None."""
+        """Stats since the last call (vLLM polls once per step), or None;
+        the figures per request on TP rank 0 only (``stats.worker_share``)."""
         if self.stats.is_empty():
             return None
-        from ..stats import PoolStats
+        from ..stats import PoolStats, worker_share
 
         # (the parts hold this object: its counts are handed over, not it)
-        out = PoolStats(data=self.stats.data)
+        out = PoolStats(data=worker_share(self.stats.data, self.pages.tp_rank,
+                                          self.faults.stats_every_rank))
         self.stats.reset()
-        return out
+        return None if out.is_empty() else out
 
     def clear(self) -> None:
         self._meta = None

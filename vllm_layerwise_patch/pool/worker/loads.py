@@ -41,13 +41,15 @@ class WorkerLoads:
 
     def open(self) -> None:
         """The layerwise pipeline over the registered caches."""
+        faults = self.faults
         self.pipeline = LayerwisePipeline(self.pages.order, self.backend, self.ns,
                                           prefetch=self.config.prefetch_layers,
                                           threads=self.config.load_threads,
                                           # the lookup already checked every
                                           # checksum a hit relies on
                                           check_crc=not self.config.verify_on_lookup,
-                                          delay=self.faults.load_delay_ms / 1e3)
+                                          delay=faults.load_delay_ms / 1e3,
+                                          fence_in_load_seconds=faults.load_seconds_with_fence)
         # zero-copy loads where possible
         self.pipeline.register_memory(self.pages.caches.values())
 

@@ -6,7 +6,8 @@ destination page) pairs of one step and submits the first ``prefetch`` layers
 (in forward order) to the load threads; :meth:`wait` blocks on one layer,
 surfaces its error, and submits the next layer so that at most ``prefetch``
 layers are in flight ahead of compute.  Every value is validated (length,
-checksum, namespace) before its page is used: before a byte reaches the page,
+checksum, namespace, and the key it was written under: the digest in its
+header) before its page is used: before a byte reaches the page,
 or - a zero-copy read straight into registered host pages - in the page,
 where a failure fails that load (:func:`read_items`).
 
@@ -133,7 +134,7 @@ def read_items(backend: Backend, ns: bytes, items: list[LoadItem], *, check_crc:
 class LayerwisePipeline:
     def __init__(self, order: list[str], backend: Backend, namespace: bytes, *,
                  prefetch: int = 2, threads: int = 2, check_crc: bool = True,
-                 delay: float = 0.0) -> None:
+                 delay: float = 0.0, fence_in_load_seconds: bool = False) -> None:
         self.order = list(order)
         self.pos = {name: i for i, name in enumerate(self.order)}
         self.backend = backend
@@ -141,6 +142,7 @@ class LayerwisePipeline:
         self.prefetch = max(1, prefetch)
         self.check_crc = check_crc
         self.delay = delay  # tests: every layer's load takes this long (seconds)
+        self.fence_in_load_seconds = fence_in_load_seconds  # tests: the rule before the fix
         self.pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vlp-load")
         self._futures: dict[str, cf.Future] = {}
         self._tasks: dict[str, list[LoadItem]] = {}
@@ -159,6 +161,11 @@ class LayerwisePipeline:
         try:
             if gate is not None:
                 gate.synchronize()  # do not write ahead of the compute stream
+            if not self.fence_in_load_seconds:
+                # load_seconds is the transfer alone: the wait for compute to
+                # reach the layer is not the backend's (what the forward
+                # itself waits for is wait_seconds)
+                t0 = time.perf_counter()
             if self.delay:
                 time.sleep(self.delay)
             return self._load_items(layer, items)

@@ -25,10 +25,13 @@ started after the account was cleared.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..keys import ATTN, STATE
 from ..metadata import AttnSave, LoadSpec, PoolMetadata, SaveSpec
+
+logger = logging.getLogger("vllm.layerwise_patch")
 
 
 def agree_on_failures(meta: PoolMetadata, failed: set[str], tp_size: int,
@@ -78,7 +81,10 @@ class Quarantine:
         """The scheduler has acted on these failures; when it has on every
         one, nothing stays tainted."""
         self._unseen.difference_update(req_ids)
-        if not self._unseen:
+        if not self._unseen and self:
+            logger.info("vllm-layerwise-patch pool: the scheduler has taken every failed "
+                        "load; %d request(s) and %d block id(s) are no longer kept out "
+                        "of the pool", len(self.requests), len(self.blocks))
             self.requests.clear()
             self.blocks.clear()
 

@@ -1,6 +1,6 @@
 """The save path's send thread: ``save_kv_layer`` enqueues a layer's pages with
 an event recorded on the compute stream; the send thread waits for the event
-and packs each page (header, checksum, one copy into reused host memory)
+and packs each page (header naming its key, checksum, one copy into reused host memory)
 while later layers compute (host pages - a CPU "device" - are packed in the
 calling thread instead, see :meth:`SaveQueue.submit`); :meth:`SaveQueue.commit`
 (once per step) waits for the queue to drain and writes the pages and their commit markers in one
@@ -70,7 +70,8 @@ class PackArena:
                 continue
             self._chunk, self._off = self._chunk + 1, 0
 
-    def pack(self, page: torch.Tensor) -> memoryview:
+    def pack(self, key: bytes, page: torch.Tensor) -> memoryview:
+        """The value of ``key`` holding ``page`` (its header names the key)."""
         raw = page.reshape(-1).view(torch.uint8)
         n = HEADER_SIZE + raw.numel()
         value = self._alloc(n)
@@ -80,7 +81,7 @@ class PackArena:
         else:
             value[HEADER_SIZE:n].copy_(raw)
         host[n:] = 0  # (its padding: another step's bytes may lie there)
-        host[:HEADER_SIZE] = memoryview(header(self.ns, host[HEADER_SIZE:n]))
+        host[:HEADER_SIZE] = memoryview(header(self.ns, key, host[HEADER_SIZE:n]))
         return memoryview(host[:n])
 
     def reset(self) -> None:
@@ -209,7 +210,7 @@ class SaveQueue:
             if event is not None:
                 event.synchronize()
             for key, page in pages:
-                self._items.append((key, self._arena.pack(page)))
+                self._items.append((key, self._arena.pack(key, page)))
         except Exception as exc:  # never into the forward, keep the thread alive
             self._fail(exc)
         self.seconds += time.perf_counter() - t0
@@ -224,7 +225,7 @@ class SaveQueue:
             if exclude:
                 self._items = [(k, v) for k, v in self._items if k not in exclude]
             if self._items or markers:
-                items = self._items + [(m, pack(self.ns, b"")) for m in markers]
+                items = self._items + [(m, pack(self.ns, m, b"")) for m in markers]
                 self.backend.put_many(items)
                 self.bytes_saved += sum(len(v) for _, v in self._items)
             self.blocks_saved += blocks

@@ -42,8 +42,9 @@ Mooncake's semantics, and what the pool does about them:
   ``reconnect_seconds`` the connection is tried again in a background
   thread, never in the caller's (:mod:`.mooncake.connection`); Mooncake's client
   reconnects by itself once the master answers.  ``setup`` is only attempted
-  when the master's port accepts a connection (Mooncake's own setup blocks
-  for about 90 s against a dead master).
+  once the master has answered a request within ``connect_timeout_seconds``
+  (against a master that accepts connections and never answers, Mooncake's
+  own setup stops the whole process for about ten minutes).
 
 Security: Mooncake has no authentication.  ``MC_TCP_BIND_ADDRESS`` defaults
 to 127.0.0.1 here (the address advertised to peers); the master should

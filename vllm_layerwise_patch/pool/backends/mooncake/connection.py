@@ -10,11 +10,21 @@ the pool serves no hits and saves nothing, logged once).  A background
 thread tries to reach it again every ``reconnect_seconds`` - the setup, or
 a probe of a client already set up - until one attempt succeeds or the
 backend is closed: an attempt can take seconds (a connect time-out,
-Mooncake's RPC time-outs, its setup blocking for about 90 s against a
-master that accepts connections and never answers), and the callers are
-the engine's scheduler and its workers' loads, which never wait for it.
-An idle engine therefore comes back by itself: the first request after
-the master returns is served from the pool.
+Mooncake's RPC time-outs), and the callers are the engine's scheduler and
+its workers' loads, which never wait for it.  An idle engine therefore
+comes back by itself: the first request after the master returns is
+served from the pool.
+
+Mooncake's client setup cannot be bounded from Python: it holds the
+interpreter's lock while it waits, and against a master that accepts
+connections and never answers it retries for about ten minutes (20 tries
+of 30 s, measured on 0.3.13) - every thread of the process stops meanwhile,
+the engine's start-up with them.  So setup is attempted only once the
+master has answered a request (:func:`master_answers`: an RPC header naming
+no function, which a master answers at once with an error) within
+``connect_timeout_seconds``; a master that does not is unreachable (the
+engine starts without the pool, one log line; ``on_backend_unavailable=
+'fail'``: it does not start) and is asked again every ``reconnect_seconds``.
 """
 
 from __future__ import annotations
@@ -22,11 +32,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
+from ...faults import faults
 from ..base import BackendError
 from .staging import (MISSING, UNREACHABLE, BackendUnavailable, Registered, describe,
                       host_port, make_staging)
@@ -34,6 +46,26 @@ from .staging import (MISSING, UNREACHABLE, BackendUnavailable, Registered, desc
 logger = logging.getLogger("vllm.layerwise_patch")
 
 PROBE_KEY = "\0vlp-probe"
+#: a coro_rpc request header (magic 21, version 0, struct_pack, request,
+#: sequence 1) calling function id 0, which no master registers
+RPC_PROBE = struct.pack("<BBBBIIII", 21, 0, 0, 0, 1, 0, 0, 0)
+
+
+def master_answers(host: str, port: int, timeout: float) -> str | None:
+    """None when the master at ``host:port`` answers a request within
+    ``timeout`` seconds, else why not (the rest of a sentence)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(RPC_PROBE)
+            if sock.recv(1):
+                return None
+            return "closed the connection without answering a request"
+    except socket.timeout:
+        return (f"accepts connections but did not answer a request within {timeout:g} s "
+                "(connect_timeout_seconds)")
+    except OSError as exc:
+        return f"is unreachable ({exc})"
 
 
 class MooncakeConnection:
@@ -75,12 +107,9 @@ class MooncakeConnection:
         from mooncake.store import MooncakeDistributedStore
 
         cfg = self.cfg
-        host, port = host_port(cfg.master_address)
-        try:
-            socket.create_connection((host, port), timeout=2).close()
-        except OSError as exc:
-            raise BackendUnavailable(
-                f"Mooncake master at {cfg.master_address} is unreachable ({exc})") from None
+        why = self.why_not_answering()
+        if why is not None:  # (never a setup that would stop this process for minutes)
+            raise BackendUnavailable(f"Mooncake master at {cfg.master_address} {why}")
         store = MooncakeDistributedStore()
         if cfg.client_address:  # same-node shared memory through a mooncake_client
             rc = store.setup_dummy(cfg.local_buffer_size, cfg.local_buffer_size,
@@ -102,6 +131,17 @@ class MooncakeConnection:
                 self._register(ptr, size, memory)
         if self._segment_wanted:
             self._mount()
+
+    def why_not_answering(self) -> str | None:
+        """None when the master answers a request in time, else why not."""
+        host, port = host_port(self.cfg.master_address)
+        if faults().mooncake_setup_unprobed:  # the rule before the fix (tests)
+            try:
+                socket.create_connection((host, port), timeout=2).close()
+            except OSError as exc:
+                return f"is unreachable ({exc})"
+            return None
+        return master_answers(host, port, self.cfg.connect_timeout_seconds)
 
     def _mount(self) -> None:
         size = self.cfg.global_segment_size
@@ -226,7 +266,8 @@ class MooncakeConnection:
         try:
             if self.store is None:
                 self.connect()
-            elif self.store.batch_is_exist([PROBE_KEY])[0] < 0:
+            elif (self.why_not_answering() is not None  # (as for the setup, see the module)
+                  or self.store.batch_is_exist([PROBE_KEY])[0] < 0):
                 raise BackendUnavailable(f"Mooncake master at {self.cfg.master_address} "
                                          "still unreachable")
         except Exception:  # noqa: BLE001 - down it stays; tried again later

@@ -55,8 +55,11 @@ backend maps a page key to its object's range and a marker to the object.
   serves such a client's reads that no load plan announced (or an object
   larger than a staging region).
 * A replica list cached in a session can outlive the object only past
-  its read lease; each range carries its own header and checksum, so such
-  a read fails its check and takes the load-failure path.
+  its read lease; if the object was removed meanwhile and another object
+  of the same size took its extent, a range reads that object's slot - a
+  sound value of the same namespace.  Each slot's header names the key it
+  was written under (:func:`..base.key_digest`), so such a read fails its
+  check (``other-key``) and takes the load-failure path.
 * Hit cache: the backend's ``generation()`` counts this process's own
   stores and removals and moves its epoch whenever the master goes away or
   comes back; Mooncake tells nothing of other clients' stores or of its

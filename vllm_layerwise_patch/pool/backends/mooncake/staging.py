@@ -26,7 +26,10 @@ MISSING, TOO_SMALL, NO_SPACE, UNREACHABLE = -704, -600, -200, -900
 
 
 class BackendUnavailable(BackendError):
-    """The Mooncake master cannot be reached (now, or recently)."""
+    """The Mooncake master cannot be reached (now, or recently): the
+    connection said so when it went down (``announced``)."""
+
+    announced = True
 
 
 def describe(code: int) -> str:
