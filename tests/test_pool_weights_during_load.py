@@ -124,10 +124,10 @@ def test_a_failed_digest_is_logged_once_and_the_connector_digests_again(
     monkeypatch.setattr(weights, "weights_identity", flaky)
     caplog.set_level(logging.INFO, logger="vllm.layerwise_patch")
     for _ in range(2):  # (a second load in the process: logged once)
-        preload = preload.begin(vc)
-        assert preload is not None
-        preload.loading_ended()
-        preload.future.exception(timeout=60)
+        started = preload.begin(vc)
+        assert started is not None
+        started.loading_ended()
+        started.future.exception(timeout=60)
     said = [r.getMessage() for r in caplog.records if "started with loading failed" in
             r.getMessage()]
     assert len(said) == 1 and "kept changing" in said[0]

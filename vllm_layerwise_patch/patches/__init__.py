@@ -22,6 +22,8 @@ PATCH_MODULES = (
     "multi_connector_layer_copy",
     "hybrid_load_recompute",
     "weights_digest_during_load",
+    "weight_update_namespace",
+    "lora_digest_at_load",
 )
 
 

@@ -29,8 +29,10 @@ except ImportError:  # pragma: no cover - older vLLM
 from .identity.adapters import AdapterKeys
 from .backends.base import NoPool
 from .config import PoolConfig, PoolConfigError
+from .faults import faults
 from .identity.namespace import namespace_description, namespace_of
 from .layout import PoolLayout
+from .metadata import AdapterReport
 from .opening import open_backend
 from .identity.weights import start as start_weights_identity
 
@@ -91,6 +93,9 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
     #: to the scheduler when the ``hybrid-load-recompute`` patch is applied
     #: there; it maps them back to requests over every group.
     reports_hybrid_load_errors = True
+    #: the ``lora-digest-at-load`` patch digests the LoRA adapters a worker
+    #: of this connector loads (identity.adapters)
+    checks_lora_adapters = True
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -116,13 +121,16 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             self.backend.close()
             raise
         self.ns = namespace_of(self.namespace_description)
-        if not self.namespace_description["weights"]["resolved"]:
-            logger.warning("vllm-layerwise-patch pool: the weights behind %r were not found "
-                           "locally; the namespace names the model and revision only (set "
-                           "namespace_salt when weights change under the same name)",
-                           vllm_config.model_config.model)
-        self._adapters = AdapterKeys()
-        self._sched = self._worker = None
+        weights_seen = self.namespace_description["weights"]
+        if not weights_seen["resolved"]:
+            logger.warning("vllm-layerwise-patch pool: the pool cannot name the weights of %r "
+                           "(%s); %s", vllm_config.model_config.model, weights_seen.get("why"),
+                           "the namespace names them by model, revision and namespace_salt"
+                           if self.pool_config.namespace_salt else "the pool is not used "
+                           "(set namespace_salt to a name that changes whenever these "
+                           "weights change, or serve weights files the pool can read)")
+        self._adapters = AdapterKeys(files_only=faults().adapter_digest_at_lookup)
+        self._sched = self._worker = self._weights = None
         # who holds the pool (`pool clear` asks): where it was opened (the
         # default path, or this user's fallback when another user holds it)
         self._held = getattr(self.backend, "path", None) if self.pool_config.backend == "lmdb" \
@@ -141,7 +149,13 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
                                         config=self.pool_config)
             if isinstance(self.backend, NoPool):  # (said once, when it was opened)
                 self._sched.loads_on = self._sched.saves_on = False
+            from .scheduler.weight_changes import WeightChanges
+
             avoid_engine_stop(self._sched)
+            self._weights = WeightChanges(
+                self.namespace_description, vllm_config, self.pool_config,
+                drafter=bool(self.layout.drafter_layers), apply=self._use_namespace,
+                blind=self._sched.faults.weights_change_blind)
             self._sched_stats = SchedulerSideStats(
                 lambda: self._sched.stats | self._sched.shared_loads.stats, self.backend,
                 self.layout.block_size, failures=not self._sched.faults.stats_every_rank)
@@ -253,6 +267,10 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         done, failed = self._worker.transfer_results() if self._worker else (set(), set())
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
+    def build_connector_worker_meta(self):
+        """The LoRA adapters this worker holds (identity.adapters)."""
+        return self._worker.adapter_report() if self._worker is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
 
@@ -265,10 +283,34 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
 
             holders.release(self._held)
 
+    # -- weights changed at run time (scheduler side, .scheduler.weight_changes) --
+    def on_weights_change(self, phase: str, method: str, args: tuple = (),
+                          kwargs: dict | None = None, ok: bool = True) -> None:
+        """``method``, a collective_rpc that changes the weights, is about to
+        run (``phase`` "before"), or returned or raised ("after", ``ok``): the
+        ``weight-update-namespace`` patch calls this."""
+        if self._weights is not None:
+            self._weights.on_change(phase, method, args, kwargs, ok)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM drops its caches (``reset_prefix_cache(reset_connector=True)``):
+        the pool's entries stay (other engines' pages, named by their
+        weights); this engine stops using them until its weights are named
+        again."""
+        return self._weights.reset() if self._weights is not None else None
+
+    def _use_namespace(self, ns: bytes | None, description: dict) -> None:
+        self._sched.set_namespace(ns)
+        if ns is not None:
+            self.ns, self.namespace_description = ns, description
+            self._describe_namespace()
+
     # -- scheduler side ---------------------------------------------------------
     # (a request runs through the pool as its adapter's view, .adapters)
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
-        view = self._adapters.view(request)
+        if self._weights is not None:
+            self._weights.follow()
+        view = self._adapters.view(request, async_loads=self._sched.load_async)
         if view is None:  # an adapter that cannot be fingerprinted: no pool
             return 0, False
         return self._sched.get_num_new_matched_tokens(view, num_computed_tokens)
@@ -279,10 +321,15 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.update_state_after_alloc(view, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self._weights is not None:
+            self._weights.follow()
         return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._sched is not None:
+            report = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(report, AdapterReport):  # (the adapters the workers hold)
+                self._adapters.learn(report)
             self._sched.update_connector_output(connector_output)
 
     def blocks_to_evict(self, invalid_block_ids: set[int]) -> set[int]:

@@ -101,6 +101,12 @@ class Faults:
     #: values are checked without their key digest (the rule before value
     #: format 4: a sound value of another key of the namespace passes)
     value_key_blind: bool = False
+    #: the connector ignores weight changes and reset_cache (the rule before
+    #: the fix: one namespace for the engine's life, whatever its weights)
+    weights_change_blind: bool = False
+    #: a worker runs loads and saves whatever adapter copy it holds (the rule
+    #: before the fix: the scheduler's digest of the files names the blocks)
+    adapter_digest_at_lookup: bool = False
 
     @property
     def active(self) -> list[str]:

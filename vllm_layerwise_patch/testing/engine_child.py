@@ -206,6 +206,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     seconds = []
     for i, phase in enumerate(phases):
         _before_phase(phase)
+        if phase.get("weights"):
+            engine_controls.change_weights(llm, phase["weights"])
         t0 = time.perf_counter()
         n = phase.get("max_tokens", max_tokens)  # (a phase may ask for more)
         phase_sp = sp if n == max_tokens else SamplingParams(

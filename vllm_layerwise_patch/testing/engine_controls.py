@@ -25,6 +25,11 @@ def apply(spec: dict[str, Any]) -> None:
         paths.default_path = lambda: spec["default_pool_path"]
     if spec.get("weights_trace"):  # when vLLM reads the weights files
         observe_weight_reading()
+    transfer = (spec.get("llm") or {}).get("weight_transfer_config") or {}
+    if transfer.get("backend") == "pool-test-files":  # weights from a file, as tensors
+        from .weight_transfer import register
+
+        register()
     if spec.get("exact_load_bytes"):  # the stats line's loaded bytes, unrounded
         from vllm_layerwise_patch.pool.stats import PoolStats
 
@@ -54,6 +59,32 @@ def observe_weight_reading() -> None:
             entry["end"] = time.monotonic()
 
     DefaultModelLoader.load_weights = load_weights
+
+
+def change_weights(llm: Any, change: dict[str, Any]) -> None:
+    """A phase's ``weights``: change the running engine's weights through
+    vLLM's API - ``reload`` (``reload_weights`` from the files at a path),
+    ``reload_tensors`` (``reload_weights`` given the tensors of a safetensors
+    file), ``update`` (the weight-update session with the ``pool-test-files``
+    transfer engine: ``start_weight_update``, ``update_weights`` with a
+    safetensors file, ``finish_weight_update`` with ``version``) - then, with
+    ``reset_connector``, ``reset_prefix_cache(reset_connector=True)``.  vLLM's
+    own prefix cache still holds the old weights' KV: it is always reset
+    (``reset_prefix_cache()``, which leaves the connector alone)."""
+    if change.get("reload"):
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": change["reload"]})
+    if change.get("reload_tensors"):
+        from safetensors.torch import load_file
+
+        tensors = list(load_file(change["reload_tensors"]).items())
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+    if change.get("update"):
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"path": change["update"]}})
+        llm.finish_weight_update(change.get("version"))
+    if change.get("reset_connector"):
+        llm.reset_prefix_cache(reset_connector=True)
+    llm.reset_prefix_cache()
 
 
 def report(spec: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:

@@ -43,6 +43,10 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
                  (the test acts in between: kills a process, restarts a
                  server); ``kill: [pid, seconds]`` SIGKILLs ``pid`` that many
                  seconds into the phase (while its requests are in flight);
+                 ``weights``: before the phase, change the engine's weights
+                 (``engine_controls.change_weights``: ``reload``,
+                 ``reload_tensors``, ``update`` from a path, then
+                 ``reset_connector``; vLLM's own prefix cache is reset);
 ``base``         ``"cpu"`` (default): ``llm`` goes over the CPU emulation's
                  kwargs; ``"none"``: ``llm`` alone (a GPU machine);
 ``umask``        the child's umask (e.g. 0: files as permissive as allowed);

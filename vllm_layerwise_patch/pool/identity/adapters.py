@@ -1,4 +1,4 @@
-"""LoRA adapters by content (scheduler side).
+"""LoRA adapters by content.
 
 vLLM's prefix hash names a request's adapter by its name and path only
 (``_gen_lora_extra_hash_keys``): an adapter updated in place would hit the
@@ -10,15 +10,26 @@ version like the model's weights).  The scheduler derives every key, load
 and save of the request from these names, so the workers never see the
 plain hashes.
 
-The digest is taken when the scheduler first looks the request up and kept
-for the request's life, so its lookup, loads and saves agree.  A request
-whose adapter cannot be fingerprinted (its files are not on this machine)
-does not use the pool: no lookup, no save.
-
-vLLM keeps an adapter it has loaded until it evicts it (or a request asks
-``load_inplace``): an adapter file changed under a running engine names the
-pages that engine still computes with the old weights by the new content.
-Restart the engine (or load the adapter in place) after changing one.
+The digest names what the workers compute with, which is not always what
+the files hold now: vLLM's worker loads an adapter when a step first needs
+it (or again with ``load_inplace``) and keeps that copy until it evicts it,
+whatever happens to the files meanwhile.  So the digest is taken where the
+adapter is loaded (:mod:`.loaded_adapters`, the ``lora-digest-at-load``
+patch), and the workers report after each step the digests of the adapters
+they hold (:class:`..metadata.AdapterReport`).  The scheduler
+(:class:`AdapterKeys`) names a request by the workers' digest of its adapter
+when they hold it, else by the digest of its files (the workers will load
+those), and keeps that name for the request's life; each worker checks,
+every step, that the adapter it computes the request with has that digest -
+if not (the adapter was evicted and loaded again from changed files in
+between), the request's load is handed to vLLM's load-failure policy and
+its pages are not stored.  (With ``load_async`` a hit loads before the
+request is computed: only adapters the workers hold are loaded, checked when
+the load starts; an eviction and a reload from changed files between that
+load and the computation is not caught.)  Until the workers have reported
+that they take these digests (the patch applied in every worker), and for
+an adapter whose files are not on this machine, requests with an adapter do
+not use the pool: no lookup, no save.
 """
 
 from __future__ import annotations
@@ -35,24 +46,40 @@ from .weights import WEIGHT_SUFFIXES, resolve_model_dir
 logger = logging.getLogger("vllm.layerwise_patch")
 
 
-def adapter_digest(lora_request: Any) -> bytes | None:
-    """16 bytes naming the adapter's content, or None when its files are
-    not found here."""
+def adapter_files(lora_request: Any) -> list[str]:
+    """The adapter's files here (none: not found, or its weights come from
+    elsewhere - a tensorizer URI, vLLM 0.30/0.31)."""
+    if getattr(lora_request, "tensorizer_config_dict", None):
+        return []
     where = resolve_model_dir(str(getattr(lora_request, "lora_path", "") or ""))
     if where is None:
-        return None
+        return []
     if os.path.isfile(where):
-        files = [where]
-    else:
-        files = sorted(os.path.join(where, n) for n in os.listdir(where)
-                       if n.endswith(WEIGHT_SUFFIXES + (".json",))
-                       and os.path.isfile(os.path.join(where, n)))
+        return [where]
+    return sorted(os.path.join(where, n) for n in os.listdir(where)
+                  if n.endswith(WEIGHT_SUFFIXES + (".json",))
+                  and os.path.isfile(os.path.join(where, n)))
+
+
+def adapter_digest(lora_request: Any, files: list[str] | None = None) -> bytes | None:
+    """16 bytes naming the adapter's content (its ``files``, default
+    :func:`adapter_files`), or None when its files are not found here."""
+    files = adapter_files(lora_request) if files is None else files
     if not files:
         return None
     h = hashlib.sha256(b"vllm-layerwise-pool adapter\0")
     for path, digest in zip(files, digest_files(files)):
         h.update(f"{os.path.basename(path)}\0{os.path.getsize(path)}\0{digest}\0".encode())
     return h.digest()[:16]
+
+
+def adapter_of(request: Any) -> tuple[int, bytes] | None:
+    """(vLLM's adapter id, the digest the pool names it by) of a request seen
+    through :class:`AdapterKeys` - what a worker checks - or None."""
+    digest = getattr(request, "adapter_digest", None)
+    if digest is None:
+        return None
+    return int(request.lora_request.lora_int_id), digest
 
 
 def mix(block_hash: Any, digest: bytes) -> bytes:
@@ -86,8 +113,9 @@ class AdapterRequest:
     """A request seen through its adapter's content: ``block_hashes`` are
     the pool's names, everything else is the request's."""
 
-    def __init__(self, request: Any, digest: bytes) -> None:
+    def __init__(self, request: Any, digest: bytes, pool_reads: bool = True) -> None:
         self._request, self.adapter_digest, self._memo = request, digest, []
+        self.pool_reads = pool_reads  # False: saved, never loaded (see AdapterKeys.view)
 
     @property
     def block_hashes(self) -> _AdapterHashes:
@@ -98,32 +126,57 @@ class AdapterRequest:
 
 
 class AdapterKeys:
-    """The scheduler's view of each request (:meth:`view`)."""
+    """The scheduler's view of each request (:meth:`view`), from what the
+    workers report holding (:meth:`learn`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, files_only: bool = False) -> None:
         self._views: dict[str, Any] = {}
         self._warned = False
+        self.checked = False  # every worker takes digests where it loads (reported)
+        self.held: dict[int, bytes | None] = {}  # adapter id -> digest of the copy held
+        # the rule before the fix (tests): the files' digest at the first lookup
+        self.files_only = files_only
 
-    def view(self, request: Any) -> Any:
+    def learn(self, report: Any) -> None:
+        """A step's :class:`..metadata.AdapterReport` (all workers')."""
+        self.checked, self.held = bool(report.checked), dict(report.held)
+
+    def _digest(self, lora: Any) -> bytes | None:
+        """What the workers will compute ``lora`` with: the copy they hold,
+        else its files (they load those)."""
+        if not self.checked and not self.files_only:
+            return None
+        lora_id = getattr(lora, "lora_int_id", None)
+        if lora_id in self.held and not self.files_only:
+            return self.held[lora_id]
+        try:
+            return adapter_digest(lora)
+        except OSError:
+            return None
+
+    def view(self, request: Any, async_loads: bool = False) -> Any:
         """``request`` itself (no adapter), its :class:`AdapterRequest`, or
-        None: its adapter cannot be fingerprinted, it does not use the pool."""
+        None: it does not use the pool (the workers do not check adapters,
+        or this adapter's content is not known here).  With ``async_loads``
+        a hit is loaded before the request is computed - before its worker
+        loads the adapter: only an adapter the workers hold is loaded from
+        the pool (they check it when the load starts), others are saved
+        only."""
         lora = getattr(request, "lora_request", None)
         if not lora:
             return request
         rid = request.request_id
         if rid not in self._views:
-            try:
-                digest = adapter_digest(lora)
-            except OSError:
-                digest = None
-            if digest is None and not self._warned:
+            digest = self._digest(lora)
+            if digest is None and self.checked and not self._warned:
                 self._warned = True
                 logger.warning("vllm-layerwise-patch pool: LoRA adapter %r (%s) has no "
-                               "files here to fingerprint; its requests do not use the pool "
-                               "(further adapters are not logged)",
-                               getattr(lora, "lora_name", None),
+                               "files here to fingerprint, or the workers hold a copy they "
+                               "could not; its requests do not use the pool (further "
+                               "adapters are not logged)", getattr(lora, "lora_name", None),
                                getattr(lora, "lora_path", None))
-            self._views[rid] = None if digest is None else AdapterRequest(request, digest)
+            reads = not async_loads or getattr(lora, "lora_int_id", None) in self.held
+            self._views[rid] = None if digest is None else AdapterRequest(request, digest, reads)
         return self._views[rid]
 
     def forget(self, request: Any) -> None:

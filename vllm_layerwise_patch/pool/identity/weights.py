@@ -17,6 +17,14 @@ change comes with a new path or ``namespace_salt``.
 ``load_format="dummy"``: vLLM fills the weights from a fixed seed; no file
 is read.
 
+**Unresolved**: weights the namespace cannot see - the model is not found
+here, its directory holds no weights file, the loader reads them from
+elsewhere (``tensorizer``, ``ipc_cache``, ``modelexpress``), or vLLM pulled
+the model from object storage (``model_weights``: only the config files are
+local).  Such an identity is ``{"resolved": False, ...}`` with the reason,
+never an empty list of files called resolved: the connector then uses the
+pool only when ``namespace_salt`` names the weights (:mod:`..connector`).
+
 The digest runs on a thread (:func:`start`), so the connector opens its
 backend meanwhile; whoever needs the namespace joins it.  vLLM builds the
 connector only after the model is loaded, so the ``weights-digest-during-load``
@@ -44,6 +52,8 @@ logger = logging.getLogger("vllm.layerwise_patch")
 
 RULES = ("content", "sampled")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".ckpt")
+#: load formats whose weights are not the files of the model directory
+FOREIGN_LOADERS = ("tensorizer", "ipc_cache", "modelexpress")
 _SAMPLES, _SAMPLE_BYTES = 8, 4096
 
 
@@ -101,7 +111,14 @@ def sampled_ranges(path: str) -> tuple[bytes, list[tuple[int, int]]]:
                     for i in range(_SAMPLES)]
 
 
-def _sampled(files: list[str]) -> dict[str, Any]:
+def unresolved(model: str, revision: str | None, why: str) -> dict[str, Any]:
+    """The identity of weights the namespace cannot see (``why``)."""
+    return {"resolved": False, "model": model, "revision": revision, "why": why}
+
+
+def _sampled(files: list[str], where: str) -> dict[str, Any]:
+    if not files:
+        return unresolved(where, None, f"no weights file in {where}")
     h = hashlib.sha256()
     for path in files:
         h.update(f"{os.path.basename(path)}\0{os.path.getsize(path)}\0".encode())
@@ -115,6 +132,8 @@ def _sampled(files: list[str]) -> dict[str, Any]:
 
 
 def _content(files: list[str], where: str, stats: DigestStats | None = None) -> dict[str, Any]:
+    if not files:  # nothing digested is no identity: unresolved
+        return unresolved(where, None, f"no weights file in {where}")
     stats = DigestStats() if stats is None else stats
     digests = digest_files(files, stats)
     logger.info("vllm-layerwise-patch pool: weights identity by content: %s", stats.summary())
@@ -127,16 +146,25 @@ def _content(files: list[str], where: str, stats: DigestStats | None = None) -> 
 def weights_identity(model: str, revision: str | None = None, *, rule: str = "content",
                      download_dir: str | None = None,
                      load_format: str | None = None,
+                     model_weights: str | None = None,
                      stats: DigestStats | None = None) -> dict[str, Any]:
     """The weights behind ``model`` by ``rule`` (see the module); ``stats``
-    (content rule) receives what the digest read."""
+    (content rule) receives what the digest read.  ``model_weights``: vLLM's
+    ``ModelConfig.model_weights`` (where weights pulled from object storage
+    come from)."""
     if str(load_format) == "dummy":
         return {"rule": "dummy", "resolved": True}
+    if str(load_format) in FOREIGN_LOADERS:
+        return unresolved(model, revision, f"load_format {load_format!r} reads weights "
+                          "that are not files of the model directory")
+    if model_weights and model_weights != model:
+        return unresolved(model, revision, f"the weights come from {model_weights}, "
+                          "not from files here")
     where = resolve_model_dir(model, revision, download_dir)
     if where is None:
-        return {"resolved": False, "model": model, "revision": revision}
+        return unresolved(model, revision, f"{model} is not found here")
     files = weight_files(where, load_format)
-    return _content(files, where, stats) if rule == "content" else _sampled(files)
+    return _content(files, where, stats) if rule == "content" else _sampled(files, where)
 
 
 _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vlp-weights-digest")
@@ -163,7 +191,8 @@ def identity_args(vllm_config: Any, rule: str) -> tuple[tuple, dict[str, Any]]:
     mc, load = vllm_config.model_config, getattr(vllm_config, "load_config", None)
     return ((str(mc.model), getattr(mc, "revision", None)),
             {"rule": rule, "download_dir": getattr(load, "download_dir", None),
-             "load_format": str(getattr(load, "load_format", None))})
+             "load_format": str(getattr(load, "load_format", None)),
+             "model_weights": getattr(mc, "model_weights", None) or None})
 
 
 def _run(entry: dict[str, Any], args: tuple, kw: dict[str, Any]) -> dict[str, Any]:
@@ -181,12 +210,15 @@ def _run(entry: dict[str, Any], args: tuple, kw: dict[str, Any]) -> dict[str, An
                      cached=stats.cached, named=stats.named)
 
 
-def submit(vllm_config: Any, rule: str,
-           origin: str = "connector") -> tuple[concurrent.futures.Future, dict[str, Any]]:
-    """The weights identity of ``vllm_config``'s model, computed on the digest
-    thread after any digest already queued there, and its :data:`TRACE`
-    entry."""
+def submit(vllm_config: Any, rule: str, origin: str = "connector",
+           model: str | None = None) -> tuple[concurrent.futures.Future, dict[str, Any]]:
+    """The weights identity of ``vllm_config``'s model (or of the weights
+    files at ``model``: weights reloaded from another path), computed on the
+    digest thread after any digest already queued there, and its
+    :data:`TRACE` entry."""
     args, kw = identity_args(vllm_config, rule)
+    if model is not None:
+        args, kw = (model, None), dict(kw, model_weights=None)
     entry = note({"event": "digest", "origin": origin, "rule": rule,
                   "submitted": time.monotonic(), "error": None})
     return _pool.submit(_run, entry, args, kw), entry

@@ -34,6 +34,7 @@ import logging
 from typing import Any
 
 from ..faults import pause_here
+from ..identity.adapters import adapter_of
 from ..keys import ATTN, STATE, group_key
 from ..layout import PoolLayout
 from ..metadata import LoadSpec, PoolMetadata, load_groups
@@ -62,6 +63,7 @@ class PoolScheduler:
         self.records = StepRecords(steps_in_flight(vllm_config),
                                    forget_ended_at_once=self.faults.forget_ended_at_once)
         self._load_failed: set[str] = set()  # requests recomputing after a failed load
+        self._retired: set[str] = set()  # known before the weights changed: no pool
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, Tracked] = {}
         self.saves = SavePlanner(layout, self.hits, self.faults)
@@ -110,13 +112,35 @@ class PoolScheduler:
     @staticmethod
     def _reads_cache(request: Any) -> bool:
         """vLLM serves this request from cached KV (not with prompt logprobs
-        or ``skip_reading_prefix_cache``: it computes every prompt token)."""
-        if getattr(request, "skip_reading_prefix_cache", False):
+        or ``skip_reading_prefix_cache``: it computes every prompt token),
+        and the pool may load it (``pool_reads``: .identity.adapters)."""
+        if getattr(request, "skip_reading_prefix_cache", False) \
+                or not getattr(request, "pool_reads", True):
             return False
         sp = getattr(request, "sampling_params", None)
         return getattr(sp, "prompt_logprobs", None) is None
 
+    def set_namespace(self, ns: bytes | None) -> None:
+        """New requests use ``ns``; None: the pool is off (.weight_changes).
+        Every weights change turns it off first, before the workers change
+        anything: every request known then is retired - no lookup, no save
+        for the rest of its life, its pages may mix two weights.  Loads
+        already planned or in flight finish under the old namespace."""
+        if ns is None:
+            self._retired |= set(self._tracked)
+        self.ns = self.hits.ns = ns
+        if ns is not None:
+            # (no request waits for a load of the old namespace)
+            self.shared_loads = InflightLoads(self.layout, self.shared_loads.wait_seconds)
+            set_layout = getattr(self.hits.backend, "set_layout", None)
+            if set_layout is not None:  # (Mooncake: this namespace's block objects)
+                set_layout(ns, self.layout)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        if request.request_id in self._retired or self.ns is None:
+            self._tracked.setdefault(request.request_id, Tracked(request, []))
+            self.pins.release(request.request_id)
+            return 0, False  # (no pool: the weights changed, or cannot be named)
         if (self.load_async and request.request_id not in self._load_failed
                 and self._reads_cache(request)
                 and self.shared_loads.should_wait(request, num_computed_tokens)):
@@ -164,7 +188,8 @@ class PoolScheduler:
         mamba = {g: ids[k - 1] for g, ids in enumerate(block_ids) if kinds[g] == STATE}
         tokens = ([self.hits.next_token(request, i) for i in range(start, k)]
                   if self.hits.drafter else [])
-        spec = LoadSpec(request.request_id, start, k, hashes, attn, mamba, {}, tokens)
+        spec = LoadSpec(request.request_id, start, k, hashes, attn, mamba, {}, tokens,
+                        adapter_of(request))
         if self.load_async:
             self._async_loads.append(spec)
             self._inflight.add(request.request_id)
@@ -216,9 +241,10 @@ class PoolScheduler:
                                    if col < len(t.blocks[g])}
         saves = []
         try:
-            if self.saves_on:
+            if self.saves_on and self.ns is not None:
                 self.hits.note_generation()
-                saves = self.saves.plan(steps, self._tracked, self.records.step)
+                saves = self.saves.plan(steps, self._tracked, self.records.step,
+                                        skip=self._retired)
         except Exception as exc:  # noqa: BLE001 - a missed save only costs a hit
             self.log.warning("save-plan-error", "vllm-layerwise-patch pool: planning saves "
                             "failed (%s: %s); this step's blocks are not stored (further "
@@ -226,7 +252,8 @@ class PoolScheduler:
         async_loads, self._async_loads = self._async_loads, []
         self._refresh_pins()
         seen, self._failures_seen = self._failures_seen, []
-        return PoolMetadata(loads, saves, self.report_load_errors(), async_loads, seen)
+        return PoolMetadata(loads, saves, self.report_load_errors(), async_loads, seen,
+                            namespace=self.ns)
 
     def _refresh_pins(self) -> None:
         """Pins of asynchronous loads in flight last until they are done."""
@@ -301,6 +328,7 @@ class PoolScheduler:
             self.records.request_ended(rid, t.blocks)
         self._pending.pop(rid, None)
         self._load_failed.discard(rid)
+        self._retired.discard(rid)
         self.shared_loads.forget(rid)
         if rid in self._inflight:  # its load still reads the pool: keep the pins
             self._orphans.add(rid)

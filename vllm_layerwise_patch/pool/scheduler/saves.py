@@ -28,8 +28,10 @@ later still.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 from typing import Any
 
+from ..identity.adapters import adapter_of
 from ..keys import ATTN, STATE
 from ..metadata import AttnSave, SaveSpec
 
@@ -63,14 +65,15 @@ class SavePlanner:
                 if col < len(t.blocks[g])}
 
     def plan(self, steps: list[tuple[str, int, int]], tracked: dict[str, Tracked],
-             step: int) -> list[SaveSpec]:
+             step: int, skip: Container[str] = ()) -> list[SaveSpec]:
         """(req_id, tokens computed before the step, scheduled) of each
-        request in scheduling step ``step`` -> the step's saves."""
+        request in scheduling step ``step`` -> the step's saves; requests in
+        ``skip`` store nothing (retired by a weights change: .weight_changes)."""
         B, L = self.block_size, self.layout
         late = not (self.step_blocks_only or self.hits.drafter)
         saves = []
         for req_id, before, n in steps:
-            if n <= 0:
+            if n <= 0 or req_id in skip:
                 continue
             t = tracked[req_id]
             hashes = t.request.block_hashes
@@ -101,7 +104,7 @@ class SavePlanner:
                     mamba.append((h, ids))
             if attn or mamba:
                 reads = sorted({b for ids in t.blocks for b in ids} - {0})
-                saves.append(SaveSpec(req_id, attn, mamba, reads))
+                saves.append(SaveSpec(req_id, attn, mamba, reads, adapter_of(t.request)))
         return saves
 
     def _attn(self, t: Tracked, done: list[int]) -> list[AttnSave]:

@@ -68,12 +68,21 @@ class AsyncLoads:
         self.loads = loads
         self.stats = stats  # the worker's, reported to vLLM
         self._pool: cf.ThreadPoolExecutor | None = None  # started by the first load
-        self._jobs: dict[str, tuple[LoadSpec, cf.Future]] = {}  # req_id -> load in flight
+        # req_id -> load in flight, and the namespace it reads (the worker's
+        # may change meanwhile: the weights changed)
+        self._jobs: dict[str, tuple[LoadSpec, cf.Future, bytes]] = {}
         self._todo: list[LoadSpec] = []  # this step's, not started yet
+        self._refused: set[str] = set()  # failed before they started (not reported yet)
 
-    def note(self, meta: PoolMetadata) -> None:
-        """This step's asynchronous loads (started by :meth:`start`)."""
-        self._todo = list(meta.async_loads)
+    def note(self, meta: PoolMetadata, refused: set[str] = frozenset()) -> None:
+        """This step's asynchronous loads (started by :meth:`start`); those of
+        ``refused`` requests never start and are reported failed."""
+        self._todo = [s for s in meta.async_loads if s.req_id not in refused]
+        gone = [s for s in meta.async_loads if s.req_id in refused]
+        if gone:
+            self.loads.release_pins(gone)
+            self.stats.add(load_failures=len(gone))
+            self._refused |= {s.req_id for s in gone}
         if self._todo:
             self.stats.add(hit_tokens=sum((s.end - s.start) * self.block_size
                                           for s in self._todo))
@@ -86,9 +95,10 @@ class AsyncLoads:
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(
                     max_workers=self.config.load_threads, thread_name_prefix="vlp-async-load")
-            self._jobs[spec.req_id] = (spec, self._pool.submit(self._load, tasks))
+            self._jobs[spec.req_id] = (spec, self._pool.submit(self._load, tasks, self.ns),
+                                       self.ns)
 
-    def _load(self, tasks: dict[str, list[LoadItem]]) -> _Outcome:
+    def _load(self, tasks: dict[str, list[LoadItem]], ns: bytes) -> _Outcome:
         """Every layer of one request's hit, in forward order; a failed item
         is recorded, not raised."""
         t0 = time.perf_counter()
@@ -102,7 +112,7 @@ class AsyncLoads:
                 continue
             if delay:
                 time.sleep(delay)
-            moved += read_items(self.backend, self.ns, items, on_fail=on_fail,
+            moved += read_items(self.backend, ns, items, on_fail=on_fail,
                                 check_crc=not self.config.verify_on_lookup)
         device = self.pages.device
         if device is not None and device.type == "cuda":
@@ -114,9 +124,9 @@ class AsyncLoads:
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(requests whose asynchronous loads are done, those of them that
         failed)."""
-        done: set[str] = set()
-        failed: set[str] = set()
-        for rid, (spec, fut) in list(self._jobs.items()):
+        failed, self._refused = self._refused, set()
+        done = set(failed)
+        for rid, (spec, fut, ns) in list(self._jobs.items()):
             if not fut.done():
                 continue
             del self._jobs[rid]
@@ -126,7 +136,7 @@ class AsyncLoads:
             except Exception as exc:  # noqa: BLE001 - a load never stops the engine
                 moved, seconds, failures = 0, 0.0, [(b"", exc)]
             self.stats.add(bytes_loaded=moved, load_seconds=seconds)
-            self.loads.release_pins([spec])
+            self.loads.release_pins([spec], ns)
             if not failures:
                 continue
             self.loads.drop_broken({group_of(k) for k, _ in failures

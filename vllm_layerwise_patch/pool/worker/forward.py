@@ -46,7 +46,8 @@ import torch
 
 from ...copy_protocol import COPY_ALL, COPY_FOR_LAYER, deferred_copy
 from ..layout import PoolLayout
-from ..metadata import PoolMetadata
+from ..identity import loaded_adapters
+from ..metadata import AdapterReport, PoolMetadata
 from ..side import PoolSide, kv_roles
 from .async_loads import AsyncLoads
 from .process import layerwise_patches_applied, resolve_tp_rank
@@ -64,7 +65,8 @@ class PoolWorker:
         from ..stats import PoolStats
 
         side = PoolSide.open(layout=layout, backend=backend, namespace=namespace, config=config)
-        self.backend = backend
+        self.backend, self.ns, self.layout = backend, namespace, layout
+        self.log = side.log
         self.faults = side.faults
         self.pages = RankPages(layout, resolve_tp_rank(layout.tp_size))
         self.saves_on = kv_roles(vllm_config)[2]
@@ -74,6 +76,10 @@ class PoolWorker:
         self.async_loads = AsyncLoads(side, self.pages, self.loads, self.stats)
         self.saves = WorkerSaves(side, self.pages)
         self._meta: PoolMetadata | None = None
+        # this step's requests whose adapter copy here is not the one they are
+        # named by (identity.adapters): no load, no save; and the step's saves
+        self._foreign: set[str] = set()
+        self._saves: list = []
         self._model_state: Any = None
         self.quarantine = Quarantine()  # what failed loads keep out of the pool
         self._reported: dict[str, float] = {}  # running totals already added to stats
@@ -97,12 +103,16 @@ class PoolWorker:
     # -- loads -----------------------------------------------------------------
     def begin_step(self, meta: PoolMetadata) -> None:
         self.saves.begin_step()
+        if getattr(meta, "namespace", None) not in (None, self.ns):
+            self.use_namespace(meta.namespace)
         self._meta = meta
         if self.faults.forget_failures:  # the rule before the fix (tests)
             self.quarantine = Quarantine()
         self.quarantine.seen(meta.failures_seen)
-        self.async_loads.note(meta)
-        self.loads.begin_step(meta)
+        self._foreign = self._foreign_adapters(meta)
+        self._saves = [s for s in meta.saves if s.req_id not in self._foreign]
+        self.async_loads.note(meta, refused=self._foreign)
+        self.loads.begin_step(meta, refused=self._foreign)
         if self.layerwise and meta.loads:
             self.loads.start(meta)
         elif self._model_state is not None:
@@ -115,6 +125,46 @@ class PoolWorker:
             else:
                 getattr(self._model_state, COPY_ALL, lambda: False)()
             self._precopy_seconds += time.perf_counter() - t0
+
+    def use_namespace(self, ns: bytes) -> None:
+        """The scheduler names loads and saves in another namespace from this
+        step on (the weights changed: .scheduler.weight_changes).  Nothing of
+        the old one is pending: the last step's saves are written
+        (:meth:`begin_step` drained them), its loads are done; asynchronous
+        loads in flight finish under the namespace they started in."""
+        self.ns = ns
+        self.loads.set_namespace(ns)
+        self.async_loads.ns = ns
+        self.saves.set_namespace(ns)
+        set_layout = getattr(self.backend, "set_layout", None)
+        if set_layout is not None:  # (Mooncake: this namespace's block objects)
+            set_layout(ns, self.layout)
+        logger.info("vllm-layerwise-patch pool (worker): namespace %s from this step on "
+                    "(the weights changed)", ns.hex())
+
+    def _foreign_adapters(self, meta: PoolMetadata) -> set[str]:
+        """Requests of this step named by an adapter digest that is not the
+        digest of the copy this worker computes them with (the adapter was
+        loaded again from changed files, or here without a digest)."""
+        specs = [s for s in (*meta.loads, *meta.async_loads, *meta.saves)
+                 if getattr(s, "adapter", None) is not None]
+        if not specs or self.faults.adapter_digest_at_lookup:  # (tests: the old rule)
+            return set()
+        held = loaded_adapters.held()
+        out = {s.req_id for s in specs if held.get(s.adapter[0]) != s.adapter[1]}
+        if out:
+            self.log.warning("adapter", "vllm-layerwise-patch pool: request %s runs a LoRA "
+                             "adapter whose copy in this worker is not the one the scheduler "
+                             "named its blocks by (loaded again from changed files): its load "
+                             "goes to vLLM's kv_load_failure_policy and its pages are not "
+                             "stored (further cases are not logged)", sorted(out)[0])
+        return out
+
+    def adapter_report(self) -> AdapterReport | None:
+        """The adapters this worker holds, for the scheduler (every step;
+        None while it neither checks nor holds any: nothing to say)."""
+        checked, held = loaded_adapters.checked(), loaded_adapters.held()
+        return AdapterReport(checked, held) if checked or held else None
 
     def start_load_kv(self) -> None:
         # asynchronous loads start here: after the forward (or in a step
@@ -168,8 +218,7 @@ class PoolWorker:
         if not self.layerwise or layer not in self.pages.group:
             return
         t0 = time.perf_counter()
-        meta = self._meta
-        self.saves.save_layer(layer, meta.saves if meta is not None else [])
+        self.saves.save_layer(layer, self._saves if self._meta is not None else [])
         self._hook_seconds += time.perf_counter() - t0
 
     def wait_for_save(self) -> None:
@@ -186,7 +235,8 @@ class PoolWorker:
         # this step's, nor a later step's that vLLM planned before it learnt
         # of the failure (asynchronous scheduling), nor another request's
         # that read those pages (worker.quarantine)
-        saves, tainted = self.quarantine.split(meta.saves)
+        saves, tainted = self.quarantine.split(self._saves)
+        tainted += [s for s in meta.saves if s.req_id in self._foreign]
         if self._copy_missing():
             saves, tainted = [], meta.saves
         if tainted:

@@ -36,6 +36,7 @@ class WorkerLoads:
         self.pipeline: LayerwisePipeline | None = None  # once the caches are registered
         self.owners: dict[str, list[list[str]]] = {}  # per layer: who each item serves
         self.failed: set[str] = set()  # requests whose loads failed this step
+        self.refused: set[str] = set()  # ... of which not even started
         self._debug_failed = False
 
     def open(self) -> None:
@@ -52,11 +53,22 @@ class WorkerLoads:
         # zero-copy loads where possible
         self.pipeline.register_memory(self.pages.caches.values())
 
-    def begin_step(self, meta: PoolMetadata) -> None:
+    def set_namespace(self, ns: bytes) -> None:
+        """Key loads (and pins) by ``ns`` from now on (between steps)."""
+        self.ns = ns
+        if self.pipeline is not None:
+            self.pipeline.ns = ns
+
+    def begin_step(self, meta: PoolMetadata, refused: set[str] = frozenset()) -> None:
+        """``refused``: requests whose loads must not run (their adapter copy
+        here is not the one named): failed loads from the start."""
+        self.refused = {s.req_id for s in meta.loads} & set(refused)
         if meta.loads:
-            self.stats.add(hit_tokens=sum(
-                (s.end - s.start) * self.layout.block_size for s in meta.loads))
-        self.failed = set()
+            self.stats.add(hit_tokens=sum((s.end - s.start) * self.layout.block_size
+                                          for s in meta.loads if s.req_id not in self.refused))
+        if self.refused:
+            self.stats.add(load_failures=len(self.refused))
+        self.failed = set(self.refused)
 
     def start(self, meta: PoolMetadata) -> None:
         """Layerwise: this step's loads start now, waited for layer by layer."""
@@ -92,7 +104,8 @@ class WorkerLoads:
         each key read once however many requests load it (requests sharing a
         prefix in one step); ``self.owners[layer][i]`` lists the requests
         item ``i`` serves."""
-        tasks, self.owners = self.plan(meta.loads, bulk)
+        tasks, self.owners = self.plan([s for s in meta.loads if s.req_id not in self.refused],
+                                       bulk)
         return tasks
 
     def plan(self, loads: list[LoadSpec], bulk: bool
@@ -194,11 +207,12 @@ class WorkerLoads:
             except Exception:  # noqa: BLE001 - best effort; the lookup drops them too
                 pass
 
-    def release_pins(self, loads: list[LoadSpec]) -> None:
-        """This rank has read what ``loads`` needed: release the scheduler's
-        pins on this rank's groups."""
+    def release_pins(self, loads: list[LoadSpec], ns: bytes | None = None) -> None:
+        """This rank has read what ``loads`` (named in ``ns``, default the
+        current namespace) needed: release the scheduler's pins on this
+        rank's groups."""
         for spec in loads:
-            groups = load_groups(self.ns, spec.hashes, [self.pages.tp_rank],
+            groups = load_groups(ns or self.ns, spec.hashes, [self.pages.tp_rank],
                                  self.layout.has_state)
             try:
                 self.backend.unpin(groups, owner_of(spec.req_id))

@@ -41,6 +41,13 @@ class WorkerSaves:
         if reserve:
             self.saver.reserve()
 
+    def set_namespace(self, ns: bytes) -> None:
+        """Key pages, markers and value headers by ``ns`` from now on (between
+        steps, with nothing queued: :meth:`begin_step` drained the queue)."""
+        self.ns = ns
+        if self.saver is not None:
+            self.saver.ns = self.saver._arena.ns = ns
+
     def begin_step(self) -> None:
         # a deferred final-layer save of the previous step completes before
         # this step loads or saves anything (and before its forward may
