@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.list_edits:
         for e in bundle_edits.EDITS[a.release]:
-            print(f"{e.name}: {e.part('File')}\n  what: {e.part('What')}\n  why: {e.part('Why')}")
+            print(f"{e.name}: {e.part('File') or e.part('Files')}\n  what: {e.part('What')}\n  why: {e.part('Why')}")
         return 0
     caches = a.cache or [Path(os.environ.get("VLP_WHEEL_CACHE", ROOT / ".cache" / "wheels"))]
     out = a.out or ROOT / ".cache" / "gpu-bundle" / f"vllm-{a.release}-gpu-bundle.tar.xz"
