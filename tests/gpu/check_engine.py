@@ -14,7 +14,8 @@ up is reported as not run, never as passed):
 * ``correctness``: engines A, B, C, F, N of ``engine_plans`` on a tiny
   Qwen3-Next-shaped hybrid with seeded random weights (dense MLPs with the
   carried vLLM - its MoE needs compiled kernels; MoE with ``--real-vllm``),
-  an LMDB pool in /dev/shm, every engine its own process, two at a time;
+  an LMDB pool in /dev/shm, every engine its own process, three at a time
+  (two in a dry run);
 * ``ttft``: a realistic shape with vLLM's dummy weights (48 layers, every
   4th full attention, hidden 2048, Qwen3-Next-80B's attention and GDN head
   geometry, bf16), a ``--ttft-prefix``-token prefix and a
@@ -165,7 +166,12 @@ def run_jobs(jobs: list[Job], parallel: int, deadline: float, cwd: str,
                                       else "not run: the part's time was up")
                 print(f"  engine {job.name}: {problems[job.name]}", flush=True)
                 continue
-            spec, env = job.make(results)
+            try:
+                spec, env = job.make(results)
+            except Exception as exc:  # noqa: BLE001 - (a pool copy that failed, say)
+                problems[job.name] = f"not run: {type(exc).__name__}: {exc}"
+                print(f"  engine {job.name}: {problems[job.name]}", flush=True)
+                continue
             print(f"  engine {job.name}: started", flush=True)
             running[job.name] = (job, EngineRun(spec, env=env, cwd=cwd,
                                                 timeout=max(1, deadline - time.monotonic())),
@@ -405,6 +411,12 @@ def pool_root(dry: bool, need: int) -> tuple[str, bool]:
     return tempfile.mkdtemp(prefix="vlp-engine-pools-"), False
 
 
+def parse_size(text: str) -> int:
+    from vllm_layerwise_patch.pool.config import parse_size as parse
+
+    return parse(text)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "engine-checks")))
@@ -416,16 +428,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mlp", choices=("dense", "moe"),
                     help="the models' MLPs (default: dense, MoE with --real-vllm)")
     ap.add_argument("--budget", type=float, help="seconds for every part together "
-                    "(default 330 on a GPU, 900 in a dry run)")
+                    "(default 420 on a GPU, 900 in a dry run)")
     ap.add_argument("--parts", default=",".join(PARTS))
-    ap.add_argument("--parallel", type=int, default=2, help="correctness engines at a time")
+    ap.add_argument("--parallel", type=int,
+                    help="correctness engines at a time (3 on a GPU, 2 in a dry run)")
     ap.add_argument("--ttft-prefix", type=int)
     ap.add_argument("--ttft-suffix", type=int)
     ap.add_argument("--ttft-reps", type=int)
-    ap.add_argument("--ttft-pool", default="16GiB", help="the TTFT pool's capacity")
+    ap.add_argument("--ttft-pool", default="6GiB",
+                    help="the TTFT pool's capacity (preallocated, copied for two engines)")
     ap.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     a = ap.parse_args(argv)
-    a.budget = a.budget or (900.0 if a.dry_run else 330.0)
+    a.budget = a.budget or (900.0 if a.dry_run else 420.0)
+    a.parallel = a.parallel or (2 if a.dry_run else 3)
     a.ttft_prefix = a.ttft_prefix or (1280 if a.dry_run else 16384)
     a.ttft_suffix = a.ttft_suffix or (128 if a.dry_run else 512)
     a.ttft_reps = a.ttft_reps or (1 if a.dry_run else 3)
@@ -443,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     end = t0 + a.budget
     work = a.work or Path(tempfile.mkdtemp(prefix="vlp-engine-checks-"))
     work.mkdir(parents=True, exist_ok=True)
-    root, shm = pool_root(mode.cpu, 24 << 30)
+    # the correctness pools (5 x 1 GiB) and the TTFT pool with its copies
+    root, shm = pool_root(mode.cpu, (5 << 30) + 4 * parse_size(a.ttft_pool))
     report: dict[str, Any] = {"check": "engine", "mode": mode.name, "argv": sys.argv[1:],
                               "environment": environment(mode), "budget_s": a.budget,
                               "settings": {"llm": mode.llm(), "env": GPU_ENV if not mode.cpu

@@ -21,7 +21,7 @@
 #   --gdn-src (default: every --vllm-src).
 # --dry-run: CPU, Triton's interpreter, tiny sizes (the test suite runs this).
 # --engine-only / --no-engine: only the engine checks / all but them.
-# VLP_ENGINE_BUDGET (seconds, default 330 on a GPU): the engine checks' time.
+# VLP_ENGINE_BUDGET (seconds, default 420 on a GPU): the engine checks' time.
 # Needs torch, Triton, lmdb, pydantic, xxhash and this package importable.
 # Exit status: the worst of the checks' (0 pass, 1 a check failed, 2 setup).
 set -uo pipefail
