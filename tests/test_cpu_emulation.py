@@ -107,6 +107,38 @@ def test_tiny_model_deterministic_and_cached(tmp_path):
     assert "model.layers.3.self_attn.q_proj.weight" in w
 
 
+def test_tiny_model_dense_mlp(tmp_path):
+    # num_experts=0: vLLM's Qwen3NextMLP in every layer (gate/up/down
+    # projections), no router, no expert; the MoE build is untouched
+    from safetensors.torch import load_file
+
+    dense = build_tiny_qwen3_next(tmp_path / "dense", num_experts=0)
+    moe = build_tiny_qwen3_next(tmp_path / "moe")
+    cfg = json.loads((dense / "config.json").read_text())
+    assert cfg["num_experts"] == 0
+    w, m = load_file(str(dense / "model.safetensors")), load_file(str(moe / "model.safetensors"))
+    mlp = sorted(k.split(".mlp.")[1] for k in w if k.startswith("model.layers.0.mlp."))
+    assert mlp == ["down_proj.weight", "gate_proj.weight", "up_proj.weight"]
+    assert w["model.layers.0.mlp.gate_proj.weight"].shape == (cfg["intermediate_size"], 128)
+    assert w["model.layers.0.mlp.down_proj.weight"].shape == (128, cfg["intermediate_size"])
+    assert not any("experts" in k or "mlp.gate.weight" in k for k in w)
+    assert any("experts.3.down_proj" in k for k in m)
+    # the layers before the MLP draw the same numbers in both builds
+    assert (w["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+            == m["model.layers.0.linear_attn.in_proj_qkvz.weight"]).all()
+
+
+def test_engine_child_lengths_in_blocks():
+    from vllm_layerwise_patch.testing.engine_child import _prompt, length
+
+    assert length(100, 640) == 100
+    assert length({"blocks": 2.5}, 640) == 1600
+    assert length({"blocks": 0.15, "plus": 2}, 384) == 60
+    earlier = [{"tokens": [7, 8, 9]}]
+    p = _prompt({"prefix": [{"blocks": 0.5}, 3], "reply_of": 0, "suffix": [4, 5]}, 16, earlier)
+    assert p == tiny_prompt(8, 3) + [7, 8, 9] + tiny_prompt(4, 5)
+
+
 def test_tiny_tokenizer_and_prompts(tmp_path):
     from tokenizers import Tokenizer
 

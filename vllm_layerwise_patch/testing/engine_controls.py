@@ -30,12 +30,37 @@ def apply(spec: dict[str, Any]) -> None:
         from .weight_transfer import register
 
         register()
+    if spec.get("dense_mlp"):
+        allow_dense_qwen3_next()
     if spec.get("exact_load_bytes"):  # the stats line's loaded bytes, unrounded
         from vllm_layerwise_patch.pool.stats import PoolStats
 
         reduce = PoolStats.reduce
         PoolStats.reduce = lambda self: dict(reduce(self), **{
             "Loaded (bytes)": int(self.data["bytes_loaded"])})
+
+
+def allow_dense_qwen3_next() -> None:
+    """``Qwen3NextForCausalLM.set_moe_parameters`` gives a model without MoE
+    layer zero MoE parameters instead of raising (the GPU bundle's
+    ``dense_qwen3_next`` edit, for a vLLM that is not edited)."""
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM as Model
+
+    original = Model.set_moe_parameters
+
+    def set_moe_parameters(self):
+        try:
+            return original(self)
+        except RuntimeError as exc:
+            if "No Qwen3Next layer" not in str(exc):
+                raise
+        self.moe_layers = []
+        self.num_moe_layers = self.num_logical_experts = self.num_physical_experts = 0
+        self.num_local_physical_experts = self.num_routed_experts = 0
+        self.num_redundant_experts = self.num_shared_experts = 0
+        self.num_expert_groups = 1
+
+    Model.set_moe_parameters = set_moe_parameters
 
 
 def observe_weight_reading() -> None:

