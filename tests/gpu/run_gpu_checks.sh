@@ -52,7 +52,7 @@ check() {  # name timeout script args...
   [ $r -le $rc ] || rc=$r
 }
 t0=$(date +%s)
-check pool-pipeline "${VLP_PIPELINE_TIMEOUT:-90}" "$here/check_pool_pipeline.py"
+check pool-pipeline "${VLP_PIPELINE_TIMEOUT:-300}" "$here/check_pool_pipeline.py"
 for s in "${srcs[@]}"; do
   check "precopy-vllm-$(version "$s")" "${VLP_PRECOPY_TIMEOUT:-75}" "$here/check_precopy.py" --vllm-src "$s"
 done
