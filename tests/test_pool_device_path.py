@@ -15,6 +15,7 @@ The real CUDA calls (``CudaOps``) are not run here (no GPU); the GPU check
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,8 @@ def test_lane_ring_is_sized_from_the_step_kept_and_bounded():
     lanes = dv.DeviceLanes(dev, 64 << 20, 4)
     assert lanes.limit == 16 << 20
     assert dv.DeviceLanes(dev, 1 << 20, 32).limit == dv.MIN_RING
+    # torch rounds pinned allocations up to a power of two: a share is one
+    assert dv.DeviceLanes(dev, 256 << 20, 3).limit == 64 << 20
 
 
 @pytest.mark.parametrize("ring", [dv.StagingRing, BrokenRing], ids=["ring", "broken-ring"])
@@ -345,4 +348,63 @@ def test_host_pages_never_take_the_device_path(tmp_path):
     pipe.load_all(tasks)
     assert all(torch.equal(caches[n][b], d) for (n, b), d in expect.items())
     pipe.close()
+    be.close()
+
+
+# -- the worker's wiring ----------------------------------------------------------------
+
+def test_worker_builds_the_device_path_and_asynchronous_loads_use_its_lanes(tmp_path,
+                                                                             monkeypatch):
+    # PoolWorker over pages the fake device stands behind (device_ops is
+    # what decides: CUDA pages get the ops, host pages None): the pipeline
+    # gets lanes within pinned_staging_bytes, the send thread the ops, and an
+    # asynchronous load goes through a lane and is done only once its copies
+    # ran (the fake runs them when waited for).
+    from vllm_layerwise_patch.pool.keys import ATTN, STATE, layer_id, page_key
+    from vllm_layerwise_patch.pool.layout import PoolLayout
+    from vllm_layerwise_patch.pool.metadata import LoadSpec, PoolMetadata
+    from vllm_layerwise_patch.pool.worker import loads as loads_mod, saves as saves_mod
+    from vllm_layerwise_patch.pool.worker.forward import PoolWorker
+
+    fake = FakeDevice()
+    monkeypatch.setattr(loads_mod, "device_ops", lambda device: fake)
+    monkeypatch.setattr(saves_mod, "device_ops", lambda device: fake)
+    layout = PoolLayout(kinds=("attn", "state"), block_size=4, hash_block_size=4,
+                        group_layers=(("model.layers.0.x",), ("model.layers.1.x",)))
+    be = LmdbBackend(str(tmp_path / "p"), 64 << 20)
+    worker = PoolWorker(vllm_config=None, layout=layout, namespace=NS, backend=be,
+                        config=PoolConfig.from_extra({"load_async": True,
+                                                      "pinned_staging_bytes": "4MiB"}))
+    caches = {n: torch.zeros(8, 4096, dtype=torch.uint8) for n in layout.order}
+    worker.pages.register(caches)
+    worker.loads.open()
+    worker.saves.open(reserve=False)
+    pipe = worker.loads.pipeline
+    assert pipe.ops is fake and pipe.lanes.limit == 1 << 20  # 4 MiB over 2 x 2 threads
+    assert worker.saves.saver._ops is fake
+    hashes = [b"a" * 8, b"b" * 8]
+    gen = torch.Generator().manual_seed(3)
+    want = {}
+    for layer, kind, blocks in (("model.layers.0.x", ATTN, hashes),
+                                ("model.layers.1.x", STATE, hashes[-1:])):
+        for h in blocks:
+            key = page_key(NS, kind, h, 0, layer_id(layer))
+            want[key] = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen)
+            be.put_many([(key, pack(NS, key, want[key].numpy().tobytes()))])
+    spec = LoadSpec("r0", 0, 2, hashes, {0: [2, 3]}, {1: 5}, {})
+    worker.async_loads.note(PoolMetadata([], [], async_loads=[spec]))
+    worker.async_loads.start()
+    done: set[str] = set()
+    for _ in range(500):
+        done, failed = worker.transfer_results()
+        if done:
+            break
+        time.sleep(0.01)
+    assert done == {"r0"} and not failed
+    keys = list(want)
+    assert torch.equal(caches["model.layers.0.x"][2], want[keys[0]])
+    assert torch.equal(caches["model.layers.0.x"][3], want[keys[1]])
+    assert torch.equal(caches["model.layers.1.x"][5], want[keys[2]])
+    assert len(pipe.lanes.all) == 1 and pipe.lanes.all[0].ring.capacity > 0
+    worker.close()
     be.close()

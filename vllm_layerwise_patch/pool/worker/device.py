@@ -225,11 +225,14 @@ class Lane:
 
 class DeviceLanes:
     """The lanes of one pipeline, one per thread that loads (made on its first
-    load); their rings share ``total_bytes`` among ``lanes`` threads."""
+    load); their rings share ``total_bytes`` among ``lanes`` threads, each at
+    most the largest power of two within its share (torch's pinned memory
+    allocator rounds a request up to one)."""
 
     def __init__(self, ops: Any, total_bytes: int, lanes: int) -> None:
         self.ops = ops
-        self.limit = max(MIN_RING, total_bytes // max(1, lanes))
+        share = max(MIN_RING, total_bytes // max(1, lanes))
+        self.limit = 1 << (share.bit_length() - 1)
         self._local = threading.local()
         self._lock = threading.Lock()
         self.all: list[Lane] = []

@@ -157,7 +157,8 @@ class LayerwisePipeline:
     def record_compute_start(self, device: torch.device | None) -> None:
         """The compute stream has reached the current layer (see module doc)."""
         if self.ops is not None:
-            self._gate = self.ops.record(self.ops.current_stream())
+            if self._tasks:  # (no event in a step without loads: nothing waits for it)
+                self._gate = self.ops.record(self.ops.current_stream())
         elif device is not None and device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record()
