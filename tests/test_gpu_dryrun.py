@@ -169,3 +169,38 @@ def test_engine_checks_dry_run(tmp_path):
     assert table["rows"]["cold"]["hits"] == [0]
     assert all(isinstance(v, float) for v in table["ratios"].values()), table["ratios"]
     assert "exposed_load_wait_ms_per_request" in table["rows"]["pool_hit_layerwise"]
+
+
+# -- issue #35: the pool's GPU data path in the pipeline check's dry run ------------------
+# (its own test, appended: runs check_pool_pipeline.py alone, ~20 s)
+
+def test_pool_pipeline_dry_run_covers_the_staged_data_path(tmp_path):
+    """The staged path (pinned rings, copy streams, events; on CPU the fake
+    device of tests/gpu/fake_device.py, whose streams run only when waited
+    for) beside the legacy copies, Qwen3-Next-80B's shape, the synthetic
+    ceiling row and issue #35's targets, in the JSON the GPU run writes."""
+    out = tmp_path / "pool-pipeline.json"
+    env = clean_env(VLP_GPU_IMAGE_GUARD="1", TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_pool_pipeline.py"),
+                           "--dry-run", "--json", str(out)], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    pipe = json.loads(out.read_text())
+    assert pipe["passed"] and all(c["passed"] for c in pipe["checks"])
+    for case in pipe["cases"]:
+        assert case["data_path"] == "staged" and case["baseline"]["data_path"] == "legacy"
+        assert case["staging"]["pinned_bytes"] > 0
+        assert case["ceiling"]["exposed_over_compute"].keys() == {"bulk", "layerwise"}
+        for path in ("loads", "saves", "both"):
+            assert "exposed_over_compute" in case["baseline"]["exposed"][f"{path}_layerwise"]
+    shapes = {s["label"]: s for s in pipe["shapes"]}
+    assert set(shapes) == {"Qwen3-Next-80B shape, bf16 ssm state",
+                           "Qwen3-Next-80B shape, fp32 ssm state"}
+    assert all(s["attn_page_bytes"] != s["state_page_bytes"] for s in shapes.values())
+    names = {c["check"] for c in pipe["checks"]}
+    for label in [*shapes, "16 KiB pages (legacy copies)"]:
+        assert f"{label}: layerwise loads - pages equal the saved pages" in names, label
+    assert pipe["cases"][-1]["zero_staging"] == {"skipped": "no CUDA device"}
+    assert {t["target"] for t in pipe["targets"]} >= {
+        "loads exposed <= 0.08 of the forward", "loads alone >= 25 GB/s",
+        "both: layerwise exposed <= bulk exposed"}

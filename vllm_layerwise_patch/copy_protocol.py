@@ -107,7 +107,9 @@ def launch_precopy_rows(ctx: Any, start: int, end: int, num_reqs: int,
     ``ZERO_TEMPORAL_TOKEN_BIAS=ctx.replayssm is not None``, as
     ``run_fused_precopy`` does there.  The kernel is looked up on the module
     at call time, so a kernel override (``bytewise-precopy-kernel``) is
-    honoured.  No CPU-GPU sync."""
+    honoured.  No CPU-GPU sync.  The per-layer copies of a step launch
+    through :class:`PrecopyLauncher`, which passes the same arguments with
+    the slicing done once."""
     from vllm.v1.worker import mamba_utils as mu
 
     if num_reqs == 0 or end <= start or not getattr(ctx, "is_initialized", True):
@@ -140,6 +142,96 @@ def launch_precopy_rows(ctx: Any, start: int, end: int, num_reqs: int,
     )
 
 
+#: ``MambaSpecDecodeGPUContext``'s per-state arrays, in the kernel's order
+STATE_ARRAYS = ("state_base_addrs", "state_block_strides", "state_elem_sizes",
+                "state_inner_sizes", "state_conv_widths", "state_group_indices",
+                "state_dim_row_count", "state_dim_row_stride")
+#: where a context keeps its :class:`RowViews`
+_VIEWS_ATTR = "_vlp_precopy_row_views"
+
+
+def _identity(ctx: Any) -> tuple:
+    """What the cached views depend on: each state array, its address and
+    its shape (the views are slices of exactly these tensors)."""
+    out = []
+    for name in STATE_ARRAYS:
+        t = getattr(ctx, name)
+        out.append((t, t.data_ptr(), tuple(t.shape), tuple(t.stride())))
+    return tuple(out)
+
+
+class RowViews:
+    """A context's state arrays sliced per row range, once: a per-layer
+    launch passes views made in an earlier step instead of slicing eight
+    tensors again (the host time of a launch).  Valid while the context
+    holds the same tensors at the same addresses and shapes (checked once
+    per step, :func:`row_views`); the views are of those tensors, so what
+    vLLM writes into them in place is what the kernel reads."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.key = _identity(ctx)
+        self._arrays = [k[0] for k in self.key]
+        self._views: dict[tuple[int, int], tuple] = {}
+
+    def matches(self, ctx: Any) -> bool:
+        key = _identity(ctx)
+        return len(key) == len(self.key) and all(
+            a[0] is b[0] and a[1:] == b[1:] for a, b in zip(key, self.key))
+
+    def get(self, start: int, end: int) -> tuple:
+        views = self._views.get((start, end))
+        if views is None:
+            views = self._views[(start, end)] = tuple(t[start:end] for t in self._arrays)
+        return views
+
+
+def row_views(ctx: Any) -> RowViews:
+    """The context's :class:`RowViews`, made again when its arrays changed
+    (kept in the context's ``__dict__``; a context without one gets new
+    views each step)."""
+    store = getattr(ctx, "__dict__", {})
+    cached = store.get(_VIEWS_ATTR)
+    if cached is None or not cached.matches(ctx):
+        cached = store[_VIEWS_ATTR] = RowViews(ctx)
+    return cached
+
+
+class PrecopyLauncher:
+    """One step's per-layer launches of vLLM's align pre-copy kernel: what
+    :func:`launch_precopy_rows` passes, with the step's arguments, the
+    constexprs and the row views (:class:`RowViews`) prepared once, so a
+    launch only looks the kernel up (an override is honoured) and calls it.
+    The same arguments as :func:`launch_precopy_rows`, byte for byte."""
+
+    def __init__(self, ctx: Any, num_reqs: int, state_idx: Any, src_col: Any,
+                 token_bias: Any, idx_mapping: Any) -> None:
+        from vllm.v1.worker import mamba_utils as mu
+
+        self.mu, self.ctx = mu, ctx
+        self.live = num_reqs != 0 and getattr(ctx, "is_initialized", True)
+        self.num_reqs = num_reqs
+        self.head = (state_idx, src_col, token_bias)
+        self.tail = (idx_mapping, num_reqs)
+        self.tiles = getattr(mu, "_TEMPORAL_TILES", 1)
+        self.views = row_views(ctx) if self.live else None
+        self.constexprs = dict(COPY_BLOCK_SIZE=1024,
+                               CONV_STATE_DIM_FIRST=mu.is_conv_state_dim_first(),
+                               HAS_IDX_MAPPING=idx_mapping is not None,
+                               TEMPORAL_TILES=self.tiles)
+        if hasattr(ctx, "replayssm"):  # vLLM >= 0.34
+            self.constexprs["ZERO_TEMPORAL_TOKEN_BIAS"] = ctx.replayssm is not None
+
+    def launch(self, start: int, end: int) -> None:
+        """Rows ``[start, end)``; nothing when the step has no request, the
+        context is not initialized or the range is empty."""
+        if not self.live or end <= start:
+            return
+        ctx = self.ctx
+        self.mu.precopy_mamba_align_fused_kernel[(self.num_reqs, end - start, self.tiles)](
+            *self.head, ctx.block_table_ptrs, ctx.block_table_stride_req,
+            *self.views.get(start, end), *self.tail, **self.constexprs)
+
+
 @dataclasses.dataclass
 class DeferredMambaCopy:
     """One step's pre-copy, deferred to the per-layer loads.
@@ -156,6 +248,7 @@ class DeferredMambaCopy:
     idx_mapping: Any
     pending: set[str] = dataclasses.field(default_factory=set)
     launched: int = 0
+    launcher: Any = None  # the step's PrecopyLauncher, made at the first copy
 
     def __post_init__(self) -> None:
         if not self.pending:
@@ -166,8 +259,10 @@ class DeferredMambaCopy:
         if layer_name not in self.pending:
             return False
         start, end = self.rows[layer_name]
-        launch_precopy_rows(self.ctx, start, end, self.num_reqs, self.state_idx,
-                            self.src_col, self.token_bias, self.idx_mapping)
+        if self.launcher is None:
+            self.launcher = PrecopyLauncher(self.ctx, self.num_reqs, self.state_idx,
+                                            self.src_col, self.token_bias, self.idx_mapping)
+        self.launcher.launch(start, end)
         self.pending.discard(layer_name)
         self.launched += 1
         return True

@@ -100,7 +100,7 @@ check() {  # name timeout script args...
 }
 if [ $kernels -eq 1 ]; then
 ( [ ${#dry[@]} -eq 0 ] || export TRITON_INTERPRET=1
-check pool-pipeline "${VLP_PIPELINE_TIMEOUT:-90}" "$here/check_pool_pipeline.py"
+check pool-pipeline "${VLP_PIPELINE_TIMEOUT:-300}" "$here/check_pool_pipeline.py"
 for s in "${srcs[@]}"; do
   check "precopy-vllm-$(version "$s")" "${VLP_PRECOPY_TIMEOUT:-75}" "$here/check_precopy.py" --vllm-src "$s"
 done

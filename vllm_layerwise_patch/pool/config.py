@@ -77,6 +77,14 @@ def _size_or_zero(v: Any) -> int:
 
 
 SizeOrZero = Annotated[int, BeforeValidator(_size_or_zero)]
+
+
+def _staging_size(v: Any) -> int:
+    """``pinned_staging_bytes``: 0, or a size from 1 MiB to 64 GiB."""
+    n = v if isinstance(v, int) and not isinstance(v, bool) and v < 0 else _size_or_zero(v)
+    if n and not (1 << 20) <= n <= (64 << 30):
+        raise ValueError(f"must be 0 (no staging) or 1MiB to 64GiB, got {v!r}")
+    return n
 Number = Annotated[float, BeforeValidator(_number)]
 Address = Annotated[str, BeforeValidator(_address)]
 
@@ -203,6 +211,15 @@ class PoolConfig(BaseModel):
     prefetch_layers: int = Field(default=2, ge=1, le=64,
                                  description="layers loaded ahead of compute")
     load_threads: int = Field(default=2, ge=1, le=32, description="load threads per worker")
+    pinned_staging_bytes: Annotated[int, BeforeValidator(_staging_size)] = Field(
+        default=256 << 20,
+        description="KV cache on a CUDA device: pinned host memory per worker that "
+                    "the load threads stage values in before their asynchronous copies "
+                    "to the device on their own streams (each thread's ring grows to "
+                    "twice the largest layer it loads, kept across steps, its share at "
+                    "most); `0`: no staging, synchronous pageable copies (the path "
+                    "before; for comparison); else 1 MiB to 64 GiB. Host KV caches "
+                    "never use it")
     pin_seconds: Number = Field(
         default=30.0, gt=0,
         description="longest a pending load pins what it reads against eviction (pins "

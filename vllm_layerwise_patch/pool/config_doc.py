@@ -16,10 +16,11 @@ from pydantic.fields import FieldInfo
 
 #: defaults better read in the unit a user writes than in bytes
 _SIZE_DEFAULTS = {"capacity": "`4GiB`", "global_segment_size": "`4GiB`",
-                  "local_buffer_size": "`256MiB`"}
+                  "local_buffer_size": "`256MiB`", "pinned_staging_bytes": "`256MiB`"}
 
 #: validators that give a field a user-facing type of its own (by function name)
 _VALIDATED = {"parse_size": "size", "_size_or_zero": "size (or `0`)",
+              "_staging_size": "size (or `0`)",
               "_address": "`host:port`", "_metadata_server": "string (see meaning)",
               "_number": "number"}
 

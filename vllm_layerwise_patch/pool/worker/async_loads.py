@@ -95,12 +95,29 @@ class AsyncLoads:
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(
                     max_workers=self.config.load_threads, thread_name_prefix="vlp-async-load")
-            self._jobs[spec.req_id] = (spec, self._pool.submit(self._load, tasks, self.ns),
-                                       self.ns)
+            gate = None
+            lanes = self.loads.pipeline.lanes if self.loads.pipeline is not None else None
+            if lanes is not None:  # nothing is written before the compute stream got here
+                gate = lanes.ops.record(lanes.ops.current_stream())
+            self._jobs[spec.req_id] = (spec, self._pool.submit(self._load, tasks, self.ns,
+                                                               gate), self.ns)
 
-    def _load(self, tasks: dict[str, list[LoadItem]], ns: bytes) -> _Outcome:
+    def _load(self, tasks: dict[str, list[LoadItem]], ns: bytes, gate=None) -> _Outcome:
         """Every layer of one request's hit, in forward order; a failed item
-        is recorded, not raised."""
+        is recorded, not raised.  On the GPU data path (:mod:`.device`) the
+        values go through this thread's lane, and the load is done when its
+        copies are."""
+        lanes = self.loads.pipeline.lanes if self.loads.pipeline is not None else None
+        if lanes is not None:
+            lane = lanes.lane()
+            try:
+                with lane.active(gate):
+                    return self._read(tasks, ns, lane)
+            finally:
+                lanes.ops.synchronize(lane.finish())
+        return self._read(tasks, ns)
+
+    def _read(self, tasks: dict[str, list[LoadItem]], ns: bytes, lane=None) -> _Outcome:
         t0 = time.perf_counter()
         failures: list[tuple[bytes, Exception]] = []
         moved = 0
@@ -112,10 +129,12 @@ class AsyncLoads:
                 continue
             if delay:
                 time.sleep(delay)
+            if lane is not None:
+                lane.begin(sum(d[0].numel() for _, d in items))
             moved += read_items(self.backend, ns, items, on_fail=on_fail,
-                                check_crc=not self.config.verify_on_lookup)
+                                check_crc=not self.config.verify_on_lookup, stage=lane)
         device = self.pages.device
-        if device is not None and device.type == "cuda":
+        if lane is None and device is not None and device.type == "cuda":
             # pageable host -> device copies may still be in flight on this
             # thread's stream: the request is computed only after "done"
             torch.cuda.current_stream(device).synchronize()

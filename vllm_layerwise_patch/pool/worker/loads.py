@@ -14,6 +14,7 @@ import torch
 
 from ..keys import ATTN, STATE, draft_page_key, group_of, layer_id, page_key
 from ..metadata import LoadSpec, PoolMetadata, load_groups, owner_of
+from .device import device_ops
 from .pipeline import LayerwisePipeline, LoadItem
 from ..side import PoolSide
 from .pages import RankPages
@@ -40,16 +41,21 @@ class WorkerLoads:
         self._debug_failed = False
 
     def open(self) -> None:
-        """The layerwise pipeline over the registered caches."""
-        faults = self.faults
+        """The layerwise pipeline over the registered caches (pages on a CUDA
+        device: its GPU data path, :mod:`.device`, whose lanes the
+        asynchronous loads' threads use too)."""
+        faults, cfg = self.faults, self.config
         self.pipeline = LayerwisePipeline(self.pages.order, self.backend, self.ns,
-                                          prefetch=self.config.prefetch_layers,
-                                          threads=self.config.load_threads,
+                                          prefetch=cfg.prefetch_layers,
+                                          threads=cfg.load_threads,
                                           # the lookup already checked every
                                           # checksum a hit relies on
-                                          check_crc=not self.config.verify_on_lookup,
+                                          check_crc=not cfg.verify_on_lookup,
                                           delay=faults.load_delay_ms / 1e3,
-                                          fence_in_load_seconds=faults.load_seconds_with_fence)
+                                          fence_in_load_seconds=faults.load_seconds_with_fence,
+                                          device=device_ops(self.pages.device),
+                                          staging_bytes=cfg.pinned_staging_bytes,
+                                          lanes=cfg.load_threads * (2 if cfg.load_async else 1))
         # zero-copy loads where possible
         self.pipeline.register_memory(self.pages.caches.values())
 

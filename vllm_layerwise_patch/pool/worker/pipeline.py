@@ -16,6 +16,16 @@ device event when the compute stream reaches a layer; loads submitted after it
 synchronise on that event before writing pages, so prefetch follows the
 stream, not the host.  On CPU there is no stream and no event.
 
+Pages on a CUDA device (with ``staging_bytes``) take the GPU data path of
+:mod:`.device`: each load thread stages values in its pinned ring and copies
+them on its own stream, after the fence (the stream waits, not the thread);
+:meth:`wait` makes the compute stream wait for the layer's event - the host
+waits only for the thread to have queued the copies, and for the copies
+themselves only when an item of the layer failed (its pages are zeroed on the
+same stream).  A step's first loads wait for what the compute stream had
+queued when the step began.  Host pages never take it: the CPU path is the
+one above, unchanged.
+
 Saves go through :mod:`.send_thread` (the send thread).
 """
 
@@ -24,117 +34,21 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
-import warnings
 
-import numpy as np
 import torch
 
-from ..backends.base import HEADER_SIZE, Backend, unpack, verify
+from ..backends.base import Backend
+from .device import DeviceLanes, Lane
+from .reads import LoadError, LoadItem, fill_page, read_items
 
-# torch.frombuffer warns on read-only buffers; we only read from them.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
-
-class LoadError(RuntimeError):
-    pass
-
-
-def fill_page(dest: torch.Tensor, payload: memoryview) -> None:
-    if dest.device.type == "cpu" and dest.dtype == torch.uint8 and dest.is_contiguous():
-        # a plain memcpy: torch's copy_ of one page costs several times more
-        np.copyto(dest.view(-1).numpy(), np.frombuffer(payload, dtype=np.uint8))
-        return
-    src = torch.frombuffer(payload, dtype=torch.uint8)
-    # vLLM allocates KV caches as inference tensors; load threads are not in
-    # the engine's inference mode
-    with torch.inference_mode():
-        dest.copy_(src)
-
-
-LoadItem = tuple[bytes, list[torch.Tensor]]  # key -> every page it fills
-
-
-def _direct_ptrs(items: list[LoadItem]) -> list[int] | None:
-    """The page addresses of ``items`` when each fills one contiguous host
-    page (what a zero-copy read needs), else None."""
-    ptrs = []
-    for _, dests in items:
-        if len(dests) != 1:
-            return None
-        d = dests[0]
-        if d.device.type != "cpu" or d.dtype != torch.uint8 or not d.is_contiguous():
-            return None
-        ptrs.append(d.data_ptr())
-    return ptrs
-
-
-def read_items(backend: Backend, ns: bytes, items: list[LoadItem], *, check_crc: bool = True,
-               on_fail=None) -> int:
-    """Read ``items`` (key -> the pages it fills) from ``backend`` and fill
-    the pages, each value validated; returns the bytes written.  A failed
-    item raises, or - with ``on_fail(i, key, dests, exc)`` - is handed to it
-    (also every item a failing backend did not deliver).
-
-    Where the backend can (:meth:`.Backend.read_direct`: host pages in
-    registered memory) the payload lands in the page itself and is validated
-    there; a page that fails is handed to ``on_fail`` (which zeroes it and
-    fails the request's load: it recomputes) or raises, as any failed item."""
-    moved = [0]
-    done: set[int] = set()
-
-    def fail(i: int, key: bytes, dests: list[torch.Tensor], exc: Exception) -> None:
-        if on_fail is None:
-            raise exc
-        on_fail(i, key, dests, exc)
-
-    def consume(i: int, key: bytes, value) -> None:
-        dests = items[i][1]
-        done.add(i)
-        try:
-            if value is None:
-                raise LoadError(f"pool entry {key!r} vanished between lookup and load")
-            payload = unpack(key, value, ns, expected_length=dests[0].numel(),
-                             check_crc=check_crc)
-            for dest in dests:
-                fill_page(dest, payload)
-                moved[0] += dest.numel()
-        except Exception as exc:
-            fail(i, key, dests, exc)
-
-    try:
-        keys = [k for k, _ in items]
-        ptrs = _direct_ptrs(items) if hasattr(backend, "read_direct") else None
-        heads = None if ptrs is None else backend.read_direct(
-            keys, ptrs, [d[0].numel() for _, d in items])
-        if heads is None:
-            backend.read_many(keys, consume, [HEADER_SIZE + d[0].numel() for _, d in items])
-        for i, head in enumerate(heads or ()):
-            key, dests = items[i]
-            done.add(i)
-            try:
-                if head is None:
-                    raise LoadError(f"pool entry {key!r} vanished between lookup and load")
-                page = dests[0].view(-1).numpy().data
-                if len(head) < HEADER_SIZE:
-                    unpack(key, head, ns)  # raises: not a value of this page's size
-                verify(key, head, page, ns, dests[0].numel(), check_crc)
-                moved[0] += dests[0].numel()
-            except Exception as exc:
-                fail(i, key, dests, exc)
-    except Exception as exc:
-        if on_fail is None:
-            raise
-        # the backend itself failed: every item it did not deliver fails
-        for i, (key, dests) in enumerate(items):
-            if i not in done:
-                on_fail(i, key, dests, exc)
-    return moved[0]
+__all__ = ["LayerwisePipeline", "LoadError", "LoadItem", "fill_page", "read_items"]
 
 
 class LayerwisePipeline:
     def __init__(self, order: list[str], backend: Backend, namespace: bytes, *,
                  prefetch: int = 2, threads: int = 2, check_crc: bool = True,
-                 delay: float = 0.0, fence_in_load_seconds: bool = False) -> None:
+                 delay: float = 0.0, fence_in_load_seconds: bool = False,
+                 device=None, staging_bytes: int = 0, lanes: int = 0) -> None:
         self.order = list(order)
         self.pos = {name: i for i, name in enumerate(self.order)}
         self.backend = backend
@@ -155,8 +69,15 @@ class LayerwisePipeline:
         self._tolerate = False
         #: (layer, item index, key, error) of this step's failed items (tolerant mode)
         self.failures: list[tuple[str, int, bytes, Exception]] = []
+        # the GPU data path (module doc): ``device`` is a .device.CudaOps
+        # (or a test's fake); ``lanes`` threads share ``staging_bytes``
+        self.ops = device if staging_bytes > 0 else None
+        self.lanes = (DeviceLanes(device, staging_bytes, lanes or threads)
+                      if self.ops is not None else None)
 
-    def _load_layer(self, layer: str, items: list[LoadItem], gate=None) -> int:
+    def _load_layer(self, layer: str, items: list[LoadItem], gate=None):
+        if self.lanes is not None:
+            return self._load_layer_staged(layer, items, gate)
         t0 = time.perf_counter()
         try:
             if gate is not None:
@@ -173,24 +94,44 @@ class LayerwisePipeline:
             with self._lock:
                 self.load_seconds += time.perf_counter() - t0
 
+    def _load_layer_staged(self, layer: str, items: list[LoadItem], gate):
+        """The GPU data path (module doc): (bytes, the event after the
+        layer's copies)."""
+        lane = self.lanes.lane()
+        t0 = time.perf_counter()
+        try:
+            with lane.active(gate):  # the stream waits for the fence, not this thread
+                lane.begin(sum(d[0].numel() for _, d in items))
+                if self.delay:
+                    time.sleep(self.delay)
+                moved = self._load_items(layer, items, lane)
+        finally:
+            event = lane.finish()  # (also after an error: the ring's slots are fenced)
+            with self._lock:
+                self.load_seconds += time.perf_counter() - t0
+        return moved, event
+
     def _fail(self, layer: str, i: int, key: bytes, dests: list[torch.Tensor],
-              exc: Exception) -> None:
+              exc: Exception, lane: Lane | None = None) -> None:
         """Tolerant mode: the caller recomputes this item's request; its
         pages get zeros, not half-written bytes (a NaN pattern would reach
-        this step's logits)."""
-        with torch.inference_mode():
-            for dest in dests:
-                dest.zero_()
+        this step's logits) - on a lane, after any copy into them."""
+        if lane is not None:
+            lane.zero(dests)
+        else:
+            with torch.inference_mode():
+                for dest in dests:
+                    dest.zero_()
         with self._lock:
             self.failures.append((layer, i, key, exc))
 
-    def _load_items(self, layer: str, items: list[LoadItem]) -> int:
+    def _load_items(self, layer: str, items: list[LoadItem], lane: Lane | None = None) -> int:
         on_fail = None
         if self._tolerate:
             def on_fail(i: int, key: bytes, dests: list[torch.Tensor], exc: Exception) -> None:
-                self._fail(layer, i, key, dests, exc)
+                self._fail(layer, i, key, dests, exc, lane)
         return read_items(self.backend, self.ns, items, check_crc=self.check_crc,
-                          on_fail=on_fail)
+                          on_fail=on_fail, stage=lane)
 
     def _submit_until(self, limit: int) -> None:
         with self._lock:
@@ -215,7 +156,10 @@ class LayerwisePipeline:
 
     def record_compute_start(self, device: torch.device | None) -> None:
         """The compute stream has reached the current layer (see module doc)."""
-        if device is not None and device.type == "cuda":
+        if self.ops is not None:
+            if self._tasks:  # (no event in a step without loads: nothing waits for it)
+                self._gate = self.ops.record(self.ops.current_stream())
+        elif device is not None and device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record()
             self._gate = ev
@@ -229,6 +173,9 @@ class LayerwisePipeline:
         otherwise the first failure raises from :meth:`wait`."""
         self.drain()
         self._gate = None
+        if self.ops is not None and any(tasks.values()):
+            # no page is written before the compute stream got here
+            self._gate = self.ops.record(self.ops.current_stream())
         self._tolerate = tolerate_errors
         self.failures = []
         self._tasks = {k: v for k, v in tasks.items() if v}
@@ -259,10 +206,25 @@ class LayerwisePipeline:
         if fut is not None:
             t0 = time.perf_counter()
             try:
-                self.bytes_loaded += fut.result()
+                self._landed(layer, fut.result())
             finally:
                 self.wait_seconds += time.perf_counter() - t0
         self._submit_until(i + 1 + self.prefetch)
+
+    def _landed(self, layer: str, result) -> None:
+        """A layer's load was handed over (``result``: its bytes, or on the
+        GPU path its bytes and event)."""
+        if self.ops is None:
+            self.bytes_loaded += result
+            return
+        moved, event = result
+        self.bytes_loaded += moved
+        with self._lock:
+            failed = any(f[0] == layer for f in self.failures)
+        if failed:  # its pages are zeroed on the lane: in place before we go on
+            self.ops.synchronize(event)
+        else:
+            self.ops.wait(self.ops.current_stream(), event)
 
     def load_all(self, tasks: dict[str, list[LoadItem]], *, tolerate_errors: bool = False) -> None:
         """Synchronous load of every layer (the patch-free fallback)."""
@@ -276,12 +238,16 @@ class LayerwisePipeline:
         issued them has ended)."""
         for fut in list(self._futures.values()):
             try:
-                fut.result()
+                result = fut.result()
             except Exception:
-                pass
+                continue
+            if self.ops is not None:  # nothing later on the compute stream races it
+                self.ops.wait(self.ops.current_stream(), result[1])
         self._futures = {}
         self._tasks = {}
 
     def close(self) -> None:
         self.drain()
         self.pool.shutdown(wait=True)
+        if self.lanes is not None:
+            self.lanes.close()

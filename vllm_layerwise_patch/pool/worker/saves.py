@@ -14,6 +14,7 @@ import torch
 
 from ..keys import ATTN, STATE, draft_marker_key, draft_page_key, layer_id, marker_key, page_key
 from ..metadata import PoolMetadata, SaveSpec
+from .device import device_ops
 from .send_thread import SaveQueue
 from ..side import PoolSide
 from .pages import RankPages
@@ -37,7 +38,8 @@ class WorkerSaves:
         the first request."""
         self.events = [] if self.event_log else None
         self._flushed = 0
-        self.saver = SaveQueue(self.backend, self.ns, events=self.events)
+        self.saver = SaveQueue(self.backend, self.ns, events=self.events,
+                               device=device_ops(self.pages.device))
         if reserve:
             self.saver.reserve()
 

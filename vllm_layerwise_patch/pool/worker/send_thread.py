@@ -4,7 +4,13 @@ and packs each page (header naming its key, checksum, one copy into reused host 
 while later layers compute (host pages - a CPU "device" - are packed in the
 calling thread instead, see :meth:`SaveQueue.submit`); :meth:`SaveQueue.commit`
 (once per step) waits for the queue to drain and writes the pages and their commit markers in one
-backend call (one transaction on LMDB).  Needs only torch and a backend."""
+backend call (one transaction on LMDB).  Needs only torch and a backend.
+
+With a device's ops (:mod:`.device`: pages on a CUDA device) the send
+thread's own copy stream waits on the device for the layer's event, copies
+the pages into pinned pack memory asynchronously, and the thread packs them
+(header, checksum) once those copies completed: the compute stream never
+waits for a save, and the thread waits only for its own copies."""
 
 from __future__ import annotations
 
@@ -70,6 +76,23 @@ class PackArena:
                 continue
             self._chunk, self._off = self._chunk + 1, 0
 
+    def place(self, page: torch.Tensor, copy) -> tuple[torch.Tensor, int]:
+        """Room for the value of ``page``, its payload queued by ``copy(dst,
+        src)`` (an asynchronous device -> host copy); :meth:`seal` it once
+        the copy completed.  Returns the value's buffer and its length."""
+        raw = page.reshape(-1).view(torch.uint8)
+        n = HEADER_SIZE + raw.numel()
+        value = self._alloc(n)
+        copy(value[HEADER_SIZE:n], raw)
+        value.numpy()[n:] = 0  # (its padding: another step's bytes may lie there)
+        return value, n
+
+    def seal(self, key: bytes, value: torch.Tensor, n: int) -> memoryview:
+        """The value of ``key`` placed in ``value``, its header written."""
+        host = value.numpy()
+        host[:HEADER_SIZE] = memoryview(header(self.ns, key, host[HEADER_SIZE:n]))
+        return memoryview(host[:n])
+
     def pack(self, key: bytes, page: torch.Tensor) -> memoryview:
         """The value of ``key`` holding ``page`` (its header names the key)."""
         raw = page.reshape(-1).view(torch.uint8)
@@ -117,9 +140,11 @@ class SaveQueue:
     ``(what, step)`` in the order things happened (tests)."""
 
     def __init__(self, backend: Backend, namespace: bytes,
-                 events: list | None = None) -> None:
+                 events: list | None = None, device=None) -> None:
         self.backend = backend
         self.ns = namespace
+        self._ops = device  # a .device.CudaOps (or a test's fake): see module doc
+        self._stream = None  # its copy stream (made by the send thread)
         self._q: queue.Queue = queue.Queue()
         self._items: list[tuple[bytes, memoryview]] = []
         register = getattr(backend, "register_memory", None)
@@ -157,6 +182,10 @@ class SaveQueue:
         on 2 cores: ~40 ms of a pool hit's time to first token for ~1 MB
         of pages, ~0 inline)."""
         if not pages:
+            return
+        if self._ops is not None:
+            ops = self._ops
+            self._q.put(("pages", ops.record(ops.current_stream()), (self._step, pages)))
             return
         if device is None or device.type == "cpu":
             self.drain()  # a deferred write of the previous step may still use the arena
@@ -207,13 +236,33 @@ class SaveQueue:
         self._event("pack", step)
         t0 = time.perf_counter()
         try:
-            if event is not None:
-                event.synchronize()
-            for key, page in pages:
-                self._items.append((key, self._arena.pack(key, page)))
+            if self._ops is not None:
+                self._pack_device(event, pages)
+            else:
+                if event is not None:
+                    event.synchronize()
+                for key, page in pages:
+                    self._items.append((key, self._arena.pack(key, page)))
         except Exception as exc:  # never into the forward, keep the thread alive
             self._fail(exc)
         self.seconds += time.perf_counter() - t0
+
+    def _pack_device(self, event, pages: list[tuple[bytes, torch.Tensor]]) -> None:
+        """Device pages: copied on this thread's stream once the compute
+        stream passed ``event`` (the device waits), packed once copied."""
+        ops = self._ops
+        if self._stream is None:
+            self._stream = ops.new_stream()
+        placed = []
+        try:
+            with ops.using(self._stream):
+                ops.wait(self._stream, event)
+                for key, page in pages:
+                    placed.append((key, *self._arena.place(page, ops.copy)))
+        finally:  # (also after an error: nothing may still write into the arena)
+            ops.synchronize(ops.record(self._stream))
+        for key, value, n in placed:
+            self._items.append((key, self._arena.seal(key, value, n)))
 
     def _write(self, what, how) -> None:
         done, ev = how
