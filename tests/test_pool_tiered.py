@@ -325,3 +325,40 @@ def test_the_generation_moves_with_either_tier(cluster, tmp_path):
     g2 = be.generation()
     assert g2.removals != g1.removals and g2.removals_settled
     be.close()
+
+
+def test_pool_info_shows_the_near_tier_and_the_far_tiers_master(cluster, tmp_path, capsys):
+    from vllm_layerwise_patch import pool_cli
+
+    near = str(tmp_path / "near")
+    be = tiered(cluster.master_address, near)
+    be.put_many(block(b"\x50" * 32))
+    be.close()
+    cfg = json.dumps({"backend": "tiered", "mooncake": {"master_address": cluster.master_address}})
+    assert pool_cli.main(["info", near, "--config", cfg, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["backend"] == "tiered" and doc["tier"] == "near" and doc["path"] == near
+    assert doc["namespaces"][NS.hex()]["blocks"] >= 1
+    assert doc["far"] == {"backend": "mooncake", "master_address": cluster.master_address,
+                          "reachable": True}
+    down = json.dumps({"backend": "tiered", "mooncake": {
+        "master_address": f"127.0.0.1:{free_port()}", "connect_timeout_seconds": 1}})
+    assert pool_cli.main(["info", near, "--config", down]) == 0
+    out = capsys.readouterr().out
+    assert "(tiered: this lmdb pool is the near tier)" in out and "not reachable" in out
+    # an lmdb pool's info says nothing of tiers (negative control)
+    assert pool_cli.main(["info", near, "--json"]) == 0
+    assert "far" not in json.loads(capsys.readouterr().out)
+
+
+def test_the_tiered_fields_are_in_the_configuration_reference():
+    from pathlib import Path
+
+    from vllm_layerwise_patch.pool.config_tiered import TieredConfig
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    section = page.split("<!-- pool-tiered-table:begin -->")[1].split(
+        "<!-- pool-tiered-table:end -->")[0]
+    assert section.strip() == TieredConfig.markdown_table().strip()
+    for name, f in TieredConfig.model_fields.items():
+        assert f"| `{name}` |" in section and f.description in section
