@@ -113,8 +113,9 @@ METRICS: tuple[Metric, ...] = (
            "Backend `tiered`: blocks not promoted because a value read from the far tier "
            "failed its check (such a load fails and recomputes)."),
     Metric("far_save_failures", "counter", "far_save_failures",
-           "Backend `tiered`: saves the far tier (Mooncake) did not take while the near "
-           "tier did (the master down, the store full); the near tier alone holds them."),
+           "Backend `tiered`: saves the far tier (Mooncake) did not take (the master "
+           "down, the store full); the near tier keeps what it took - a save neither "
+           "tier took is a failed save."),
     Metric("used_bytes", "gauge", "pool_used_bytes",
            "Bytes of pool pages in use, every engine's entries (embedded LMDB backend; "
            "read while the engine runs steps)."),
