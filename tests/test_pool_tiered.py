@@ -362,3 +362,20 @@ def test_the_tiered_fields_are_in_the_configuration_reference():
     assert section.strip() == TieredConfig.markdown_table().strip()
     for name, f in TieredConfig.model_fields.items():
         assert f"| `{name}` |" in section and f.description in section
+
+
+def test_bench_splits_the_pools_hit_tokens_by_tier():
+    from vllm_layerwise_patch.bench.runs import measure
+
+    def result(line: str) -> dict:
+        return {"error": None, "phase_seconds": [1.0],
+                "out": [{"phase": 0, "ttft": 0.1, "tpot": 0.01, "prompt_tokens": 2000,
+                         "cached": 1280, "tokens": [1]}],
+                "log": f"INFO KV Transfer metrics: External hit tokens loaded=1280, {line}\n"}
+
+    got = measure([result("Pages loaded from the near tier=30, "
+                          "Pages loaded from the far tier=10")], None)
+    assert got["hit_rate"]["external"] == pytest.approx(0.64)
+    assert got["hit_rate_by_tier"] == pytest.approx({"near": 0.48, "far": 0.16})
+    # no tiered backend: no split
+    assert "hit_rate_by_tier" not in measure([result("Loaded (GB)=0.1")], None)
