@@ -201,6 +201,9 @@ def test_torn_promotions_are_caught(cluster, tmp_path, fault_env):
     be.far.put_many(block(h))
     assert hit(be, h) and be.promoter.wait()
     assert torn(be), "the tear checker missed a torn promoted block"
+    # the torn copy is still never a wrong value: the page it lacks is read
+    # from the far tier (and every value is checked by its reader)
+    assert hit(be, h)
     be.close()
 
 
@@ -379,3 +382,18 @@ def test_bench_splits_the_pools_hit_tokens_by_tier():
     assert got["hit_rate_by_tier"] == pytest.approx({"near": 0.48, "far": 0.16})
     # no tiered backend: no split
     assert "hit_rate_by_tier" not in measure([result("Loaded (GB)=0.1")], None)
+
+
+def test_one_side_promotes(cluster, tmp_path):
+    """The scheduler promotes what its verification reads; the workers'
+    loads copy nothing - unless verify_on_lookup is off."""
+    from vllm_layerwise_patch.pool.opening import open_backend
+
+    near = str(tmp_path / "near")
+    for verify, scheduler, worker in ((True, True, False), (False, False, True)):
+        cfg = config(cluster.master_address, near).model_copy(
+            update={"verify_on_lookup": verify})
+        sides = [open_backend(cfg, role) for role in ("scheduler", "worker")]
+        assert [s.promote for s in sides] == [scheduler, worker]
+        for s in sides:
+            s.close()

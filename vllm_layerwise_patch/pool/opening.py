@@ -44,7 +44,11 @@ def _open_tiered(config: PoolConfig, role: str | None):
             near = FaultInjectingBackend(near, f.backend_fault)
         else:
             far = FaultInjectingBackend(far, f.backend_fault)
-    return TieredBackend(near, far, promote=config.tiered.promote,
+    # one side promotes: the scheduler, whose lookup verification reads whole
+    # blocks (verify_on_lookup), else the workers, whose loads read them a
+    # layer at a time - the loads then copy nothing
+    promotes = role is None or (role == "scheduler") == config.verify_on_lookup
+    return TieredBackend(near, far, promote=config.tiered.promote and promotes,
                          pending_blocks=config.tiered.promote_pending_blocks)
 
 
