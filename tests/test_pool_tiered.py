@@ -397,3 +397,20 @@ def test_one_side_promotes(cluster, tmp_path):
         assert [s.promote for s in sides] == [scheduler, worker]
         for s in sides:
             s.close()
+
+
+def test_the_scheduler_reports_its_promotions_once():
+    from types import SimpleNamespace
+
+    from vllm_layerwise_patch.pool.scheduler.stats import SchedulerSideStats
+
+    backend = SimpleNamespace(tier_counts={"promoted_blocks": 3, "promotions_dropped": 0,
+                                           "promotions_refused": 1, "promotions_failed": 0,
+                                           "near_pages_loaded": 40})
+    stats = SchedulerSideStats(lambda: {}, backend, 640)
+    first = stats.take().data
+    assert first["promoted_blocks"] == 3 and first["promotions_refused"] == 1
+    assert first["near_pages_loaded"] == 0  # (the workers report their loads' pages)
+    backend.tier_counts = dict(backend.tier_counts, promoted_blocks=5)
+    assert stats.take().data["promoted_blocks"] == 2
+    assert stats.take() is None  # nothing new
