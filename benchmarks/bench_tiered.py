@@ -1,12 +1,15 @@
 """The tiered backend against Mooncake alone, at the backend (no engine): one
 loopback master and segment holder, a working set of blocks saved into
 Mooncake by "another node", and a skewed trace of hits replayed by this
-node - each hit as the connector makes it: the markers looked up, then
-every page of the block read and checked (the lookup's verification), then
-every page read again one layer at a time (the load).  Configurations, in
+node - each hit as the connector makes it: the scheduler side looks up the
+markers and reads and checks every page of the block (the lookup's
+verification: it promotes), then the worker side reads every page again one
+layer at a time (the load), each side with its own backend as in an
+engine.  Configurations, in
 one run on the same master: Mooncake alone, and the tiered backend with a
 near tier (LMDB on /dev/shm) holding about 25 % and 50 % of the working set
-(its LRU evicts the rest; promotion on).
+(its LRU evicts the rest), promoting a block on its first far hit, and on
+its second (``tiered.promote_after_far_hits: 2``).
 
 Per configuration: hit latency p50/p90/p99, the near tier's share of the
 pages read, master requests per hit (the master's own counters, without
@@ -65,41 +68,47 @@ def data_requests(lm: LocalMooncake) -> float:
                and "ping" not in line and "fetch_tasks" not in line)
 
 
-def open_backend(lm: LocalMooncake, near: str | None, capacity: int):
+def open_backend(lm: LocalMooncake, near: str | None, capacity: int, after: int = 1,
+                 role: str | None = None):
     from vllm_layerwise_patch.pool.opening import open_backend as open_configured
 
     mc = {"master_address": lm.master_address, "global_segment_size": 0,
           "local_buffer_size": "32MiB"}
     cfg = {"backend": "mooncake", "mooncake": mc}
     if near is not None:
-        cfg = dict(cfg, backend="tiered", path=near, capacity=capacity)
-    be = open_configured(PoolConfig.from_extra(cfg), "worker")
+        cfg = dict(cfg, backend="tiered", path=near, capacity=capacity,
+                   tiered={"promote_after_far_hits": after})
+    be = open_configured(PoolConfig.from_extra(cfg), role)
     be.set_layout(NS, LAYOUT)
     return be
 
 
-def hit(be, h: bytes) -> None:
+def hit(sched, worker, h: bytes) -> None:
+    """The scheduler's lookup and verification (it promotes), then the
+    worker's load a layer at a time (it does not: verify_on_lookup)."""
     markers = [marker_key(NS, ATTN, h, 0), marker_key(NS, STATE, h, 0)]
-    assert all(be.exists_many(markers)), "a block of the working set is missing"
+    assert all(sched.exists_many(markers)), "a block of the working set is missing"
     keys = [page_key(NS, kind, h, 0, i) for kind in (ATTN, STATE) for i in IDS[kind]]
-    for k, v in zip(keys, be.get_many(keys, [HEADER_SIZE + PAGE] * len(keys))):
-        unpack(k, v, NS)  # the lookup's verification
-    for k in keys:  # the load, a layer at a time
-        unpack(k, be.get_many([k], [HEADER_SIZE + PAGE])[0], NS)
+    for k, v in zip(keys, sched.get_many(keys, [HEADER_SIZE + PAGE] * len(keys))):
+        unpack(k, v, NS)
+    for k in keys:
+        unpack(k, worker.get_many([k], [HEADER_SIZE + PAGE])[0], NS)
 
 
-def replay(lm, name, trace, near, capacity) -> dict:
-    be = open_backend(lm, near, capacity)
+def replay(lm, name, trace, near, capacity, after=1) -> dict:
+    sched = open_backend(lm, near, capacity, after, "scheduler")
+    worker = open_backend(lm, near, capacity, after, "worker")
     lat = []
     asked = data_requests(lm)
     for h in trace:
         t0 = time.perf_counter()
-        hit(be, h)
+        hit(sched, worker, h)
         lat.append(time.perf_counter() - t0)
     asked = data_requests(lm) - asked
-    counts = getattr(be, "tier_counts", {})
-    near_pages = counts.get("near_pages_loaded", 0)
-    far_pages = counts.get("far_pages_loaded", 0)
+    counts = getattr(sched, "tier_counts", {})
+    loads = getattr(worker, "tier_counts", {})
+    near_pages = counts.get("near_pages_loaded", 0) + loads.get("near_pages_loaded", 0)
+    far_pages = counts.get("far_pages_loaded", 0) + loads.get("far_pages_loaded", 0)
     lat.sort()
     pct = lambda p: lat[min(len(lat) - 1, int(p / 100 * len(lat)))]  # noqa: E731
     out = {"config": name, "hits": len(trace), "near_capacity_bytes": capacity if near else 0,
@@ -109,8 +118,9 @@ def replay(lm, name, trace, near, capacity) -> dict:
            if near_pages + far_pages else 0.0,
            "master_requests_per_hit": asked / len(trace),
            "promoted_blocks": counts.get("promoted_blocks", 0),
-           "near_evicted_groups": getattr(be, "evicted_groups", 0)}
-    be.close()
+           "near_evicted_groups": getattr(sched, "evicted_groups", 0)}
+    sched.close()
+    worker.close()
     print(f"{name:>12}: p50 {out['hit_ms']['p50']:.2f} ms, p99 {out['hit_ms']['p99']:.2f} ms, "
           f"near share {out['near_share_of_pages']:.2f}, master requests/hit "
           f"{out['master_requests_per_hit']:.2f}, promoted {out['promoted_blocks']}")
@@ -135,18 +145,18 @@ def main() -> int:
                        holder=max(256 << 20, 2 * ns.blocks * block_bytes),
                        holder_port=free_port()).start()
     try:
-        seed = open_backend(lm, None, 0)
+        seed = open_backend(lm, None, 0, role="worker")
         for h in hashes:  # another node saved the working set
             seed.put_many(block(h))
         seed.close()
         working_set = ns.blocks * block_bytes
         results = [replay(lm, "mooncake", trace, None, 0)]
-        for share in (0.25, 0.5):
-            near = os.path.join("/dev/shm", f"bench-tiered-{os.getpid()}-{int(share * 100)}")
+        for share, after in ((0.25, 1), (0.25, 2), (0.5, 1), (0.5, 2)):
+            name = f"tiered-{int(share * 100)}%" + (f"-after{after}" if after > 1 else "")
+            near = os.path.join("/dev/shm", f"bench-{name}-{os.getpid()}")
             try:
                 # an LMDB pool evicts before it is full: its map holds the share
-                results.append(replay(lm, f"tiered-{int(share * 100)}%", trace, near,
-                                      int(working_set * share)))
+                results.append(replay(lm, name, trace, near, int(working_set * share), after))
             finally:
                 shutil.rmtree(near, ignore_errors=True)
     finally:

@@ -158,6 +158,18 @@ def test_a_far_tier_hit_is_promoted_and_its_next_hit_is_near(cluster, tmp_path):
     off.close()
 
 
+def test_promote_after_far_hits_waits_for_the_second_far_hit(cluster, tmp_path):
+    be = tiered(cluster.master_address, str(tmp_path / "near"), promote_after_far_hits=2)
+    h = b"\x3f" * 32
+    be.far.put_many(block(h))
+    assert hit(be, h) and be.promoter.wait()
+    assert be.tier_counts["promoted_blocks"] == 0  # read once: not promoted
+    assert not any(be.near.exists_many(markers(h)))
+    assert hit(be, h) and be.promoter.wait()
+    assert be.tier_counts["promoted_blocks"] == 3 and all(be.near.exists_many(markers(h)))
+    be.close()
+
+
 def test_a_hit_spanning_the_tiers_reads_each_block_where_it_is(cluster, tmp_path):
     be = tiered(cluster.master_address, str(tmp_path / "near"), promote=False)
     first, later = b"\x34" * 32, b"\x35" * 32
@@ -306,7 +318,10 @@ def test_a_failing_tier_is_a_miss_of_that_tier(cluster, tmp_path, fault_env):
     ("promote", "yes", "valid boolean"),
     ("promote_pending_blocks", 0, "greater than or equal to 1"),
     ("promote_pending_blocks", "8", "valid integer"),
-    ("near_path", "/x", "unknown field (known: promote, promote_pending_blocks)"),
+    ("promote_after_far_hits", 0, "greater than or equal to 1"),
+    ("promote_after_far_hits", 17, "less than or equal to 16"),
+    ("near_path", "/x", "unknown field (known: promote, promote_after_far_hits, "
+                        "promote_pending_blocks)"),
 ])
 def test_a_bad_tiered_field_is_an_error_naming_it(field, value, says):
     with pytest.raises(PoolConfigError) as err:

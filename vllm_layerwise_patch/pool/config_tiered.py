@@ -23,6 +23,12 @@ class TieredConfig(BaseModel):
                     "key) and written with its commit marker in one transaction, so the "
                     "next hit of that block is read from the near tier; `false`: the near "
                     "tier holds only what engines using it saved")
+    promote_after_far_hits: int = Field(
+        default=1, ge=1, le=16,
+        description="promote a block on its this-many-th far-tier hit seen by the promoting "
+                    "side (counted per block among the most recent 65536); `1`: on the "
+                    "first. Higher keeps blocks read once from churning a near tier much "
+                    "smaller than the working set")
     promote_pending_blocks: int = Field(
         default=64, ge=1, le=65536,
         description="blocks (of one kind and rank) whose far-tier values a process keeps "

@@ -49,7 +49,8 @@ def _open_tiered(config: PoolConfig, role: str | None):
     # layer at a time - the loads then copy nothing
     promotes = role is None or (role == "scheduler") == config.verify_on_lookup
     return TieredBackend(near, far, promote=config.tiered.promote and promotes,
-                         pending_blocks=config.tiered.promote_pending_blocks)
+                         pending_blocks=config.tiered.promote_pending_blocks,
+                         promote_after=config.tiered.promote_after_far_hits)
 
 
 def _open_mooncake(config: PoolConfig, role: str | None):

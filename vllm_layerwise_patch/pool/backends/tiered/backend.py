@@ -74,12 +74,12 @@ class _ConsumerError(Exception):
 
 class TieredBackend(Backend):
     def __init__(self, near: Backend, far: Backend, *, promote: bool = True,
-                 pending_blocks: int = 64) -> None:
+                 pending_blocks: int = 64, promote_after: int = 1) -> None:
         self.near, self.far = near, far
         self.log = LogOnce()
         self.counts = _Counts()
         self.promote = promote
-        self.promoter = Promoter(near, self.counts, pending_blocks, self.log)
+        self.promoter = Promoter(near, self.counts, pending_blocks, self.log, promote_after)
         self.closed = False
 
     # -- what the rest of the pool reads ------------------------------------------

@@ -12,7 +12,9 @@ LMDB transaction): a reader of the near tier sees the whole block or
 nothing, never a torn entry.  A value that fails its check refuses the
 whole block (counted).  An object the near tier already commits is
 skipped.  At most ``pending`` objects wait for their slots; past it the
-oldest is dropped (counted) and stays a far-tier hit.
+oldest is dropped (counted) and stays a far-tier hit.  With ``after`` > 1 a
+block is promoted only on its ``after``-th far hit seen here (a block read
+once does not evict one read often from a small near tier).
 
 Without block objects (``mooncake.block_objects: false``) nothing is
 promoted: the tier does not know which keys make a block."""
@@ -42,8 +44,10 @@ def marker_of(obj: str) -> bytes:
 
 class Promoter:
     def __init__(self, near: Any, counts: Any, pending: int = 64,
-                 log: LogOnce | None = None) -> None:
+                 log: LogOnce | None = None, after: int = 1) -> None:
         self.near = near
+        self.after = max(1, int(after))  # promote on the after-th far hit of a block
+        self._hits: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.counts = counts  # (the tiered backend's counters, under its lock)
         self.limit = max(1, int(pending))
         self.log = log or LogOnce()
@@ -87,9 +91,24 @@ class Promoter:
             entry[1][slot] = (bytes(key), bytes(value))
             if all(v is not None for v in entry[1]):
                 done = self._pending.pop(obj)
+                if not self._due(obj):
+                    done = None
         if done is not None:
             self._start()
             self._q.put((obj, *done))
+
+    def _due(self, obj: str) -> bool:
+        """Count a far hit of ``obj``: True once it reached ``after`` (the
+        counts of the most recent 65536 blocks are kept)."""
+        if self.after == 1:
+            return True
+        n = self._hits.pop(obj, 0) + 1
+        if n >= self.after:
+            return True
+        self._hits[obj] = n
+        while len(self._hits) > 65536:
+            self._hits.popitem(last=False)
+        return False
 
     def _start(self) -> None:
         if self._thread is None:
