@@ -277,6 +277,8 @@ def test_a_writer_killed_mid_write_leaves_no_torn_entry_in_either_tier(cluster, 
     time.sleep(1.0)
     os.kill(proc.pid, signal.SIGKILL)
     proc.join()
+    if what == "saves":  # (it writes until killed: killed in the middle)
+        assert proc.exitcode == -signal.SIGKILL
     be = tiered(cluster.master_address, near)
     assert torn(be) == []
     done = [h for h in (bytes([first, i]) * 16 for i in range(256))
