@@ -12,7 +12,8 @@ LMDB transaction): a reader of the near tier sees the whole block or
 nothing, never a torn entry.  A value that fails its check refuses the
 whole block (counted).  An object the near tier already commits is
 skipped.  At most ``pending`` objects wait for their slots; past it the
-oldest is dropped (counted) and stays a far-tier hit.  With ``after`` > 1 a
+oldest is dropped (counted) and stays a far-tier hit; so is a block
+completed while ``pending`` others wait for their write.  With ``after`` > 1 a
 block is promoted only on its ``after``-th far hit seen here (a block read
 once does not evict one read often from a small near tier).
 
@@ -80,6 +81,7 @@ class Promoter:
         if where is None or where[2] < 0:
             return
         lay, obj, slot, n = where
+        item = (bytes(key), bytes(value))  # (the copy, outside the lock)
         done = None
         with self._lock:
             entry = self._pending.get(obj)
@@ -88,12 +90,15 @@ class Promoter:
                     self._pending.popitem(last=False)
                     self.counts.add("promotions_dropped")
                 entry = self._pending[obj] = (lay, [None] * n)
-            entry[1][slot] = (bytes(key), bytes(value))
+            entry[1][slot] = item
             if all(v is not None for v in entry[1]):
                 done = self._pending.pop(obj)
                 if not self._due(obj):
                     done = None
         if done is not None:
+            if self._q.qsize() >= self.limit:  # (the writes fall behind: bounded memory)
+                self.counts.add("promotions_dropped")
+                return
             self._start()
             self._q.put((obj, *done))
 
