@@ -32,10 +32,10 @@ class TieredConfig(BaseModel):
     promote_pending_blocks: int = Field(
         default=64, ge=1, le=65536,
         description="blocks (of one kind and rank) whose far-tier values a process keeps "
-                    "in memory at most while they wait to be promoted - a block's layers "
-                    "arrive one load at a time, and the near tier is written in the "
-                    "background; past it, the oldest are not promoted (counted: "
-                    "`promotions_dropped`) and stay far-tier hits")
+                    "in memory at most while they wait for their pages (a load reads a "
+                    "block's layers one at a time), and as many waiting for their write "
+                    "into the near tier (in the background); past it, blocks are not "
+                    "promoted (counted: `promotions_dropped`) and stay far-tier hits")
 
     @classmethod
     def markdown_table(cls) -> str:
