@@ -72,9 +72,10 @@ def test_near_hits_far_hits_and_promotion_give_the_no_pool_tokens(tiny_model_dir
     # node B (its own near tier): a far-tier hit, promoted
     b = engine(tiny_model_dir, work, [P], pool=tiered(cluster, node_b))
     assert b["out"][0]["cached"] == FULL and toks(b) == [cold["P"]]
-    # (the lookup's verification reads it from Mooncake and promotes it; the
-    # load may already find some of it near)
-    assert metric(b, FAR) > 0 and metric(b, PROMOTED) > 0
+    # (the lookup's verification reads it from Mooncake and promotes it in
+    # the background: the load finds it near or far, whichever is first)
+    assert metric(b, PROMOTED) > 0 and metric(b, NEAR) + metric(b, FAR) > 0, \
+        kv_metrics(b["log"])
     # the next engine of node B hits its near tier
     b2 = engine(tiny_model_dir, work, [P], pool=tiered(cluster, node_b))
     assert b2["out"][0]["cached"] == FULL and toks(b2) == [cold["P"]]
