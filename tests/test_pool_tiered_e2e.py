@@ -182,10 +182,11 @@ def test_an_engine_killed_mid_save_leaves_no_torn_entry_in_either_tier(tiny_mode
         run.proc.wait()
     assert _torn_near(str(near)) == []
     # every block either tier commits gives the no-pool tokens: a fresh near
-    # tier first (its hits are the killed engine's Mooncake saves), then the
+    # tier first, not promoting (its hits are the killed engine's Mooncake
+    # saves, read from Mooncake), then the
     # killed engine's own near tier
-    far = engine(tiny_model_dir, work, K, pool=tiered(cluster, tmp_path / "fresh",
-                                                      namespace_salt="killed"), cold=True)
+    far = engine(tiny_model_dir, work, K, cold=True, pool=tiered(
+        cluster, tmp_path / "fresh", namespace_salt="killed", tiered={"promote": False}))
     assert toks(far) == [cold[f"K{i}"] for i in range(len(K))]
     assert any(o["cached"] for o in far["out"]), "killed before any save: nothing tested"
     assert metric(far, NEAR) == 0 and metric(far, FAR) > 0
