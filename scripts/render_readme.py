@@ -1,7 +1,7 @@
 """Rewrite the tables of README.md and docs/ from the code: the
 compatibility table (declarations) in README.md, the patch table (patch
 modules) in docs/patches.md, the environment variables (envvars) and the
-configuration reference (PoolConfig's and MooncakeConfig's fields) in
+configuration reference (PoolConfig's, MooncakeConfig's and TieredConfig's fields) in
 docs/configuration.md, the pool's metrics (pool.prom) in
 docs/operations.md.  tests/test_readme.py fails when one is stale;
 ``--check`` exits 1 then."""
@@ -17,6 +17,7 @@ CBEGIN, CEND = "<!-- compat-table:begin -->", "<!-- compat-table:end -->"
 PBEGIN, PEND = "<!-- pool-config-table:begin -->", "<!-- pool-config-table:end -->"
 EBEGIN, EEND = "<!-- env-table:begin -->", "<!-- env-table:end -->"
 MBEGIN, MEND = "<!-- pool-metrics-table:begin -->", "<!-- pool-metrics-table:end -->"
+TBEGIN, TEND = "<!-- pool-tiered-table:begin -->", "<!-- pool-tiered-table:end -->"
 
 _CELL = {"verified": "verified", "not-needed": "not needed", "opt-in": "opt-in",
          "not-applicable": "unsupported", "drift": "unsupported (drift)",
@@ -97,12 +98,14 @@ def _tables() -> dict[str, list[tuple[str, str, object]]]:
     from vllm_layerwise_patch.envvars import markdown_table
     from vllm_layerwise_patch.listing import render_markdown
     from vllm_layerwise_patch.pool.config import PoolConfig
+    from vllm_layerwise_patch.pool.config_tiered import TieredConfig
     from vllm_layerwise_patch.pool.prom import markdown_table as metrics_table
 
     return {"README.md": [(CBEGIN, CEND, compat_table)],
             "docs/patches.md": [(BEGIN, END, render_markdown)],
             "docs/configuration.md": [(EBEGIN, EEND, markdown_table),
-                                      (PBEGIN, PEND, PoolConfig.markdown_table)],
+                                      (PBEGIN, PEND, PoolConfig.markdown_table),
+                                      (TBEGIN, TEND, TieredConfig.markdown_table)],
             "docs/operations.md": [(MBEGIN, MEND, metrics_table)]}
 
 

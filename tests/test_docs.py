@@ -131,7 +131,7 @@ def test_configuration_reference_is_the_models():
             for line in page.splitlines() if line.startswith("| `")}
     assert rows["`capacity`"][:2] == ["size", "`4GiB`"]
     assert rows["`prefetch_layers`"][:2] == ["integer, ≥ 1 and ≤ 64", "`2`"]
-    assert rows["`backend`"][0] == '`"lmdb"` or `"mooncake"`'
+    assert rows["`backend`"][0] == '`"lmdb"` or `"mooncake"` or `"tiered"`'
     assert rows["`client_address`"][:2] == ["`host:port`, or unset", "unset"]
     for name, f in {**PoolConfig.model_fields, **MooncakeConfig.model_fields}.items():
         assert rows[f"`{name}`"][2] == f.description, name

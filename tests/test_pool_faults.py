@@ -8,6 +8,9 @@ Sizes (block = 640 tokens): a 1950-token prompt stores 3 attention pages
 
 Every hit here comes from pages of one forward, so a cold run of the prompt
 is the oracle (DESIGN §9).
+
+The backend faults and the slow loads run on the lmdb backend and on the
+tiered one (an lmdb near tier in front of a loopback Mooncake).
 """
 
 from __future__ import annotations
@@ -69,9 +72,34 @@ def cold(tiny_model_dir, work):
 
 
 @pytest.fixture(scope="module")
-def pool_p(tiny_model_dir, work, cold):
-    """A pool holding P (stored by one engine)."""
-    pool = {"path": str(work / "pool-p"), "capacity": "64MiB"}
+def mooncake(tmp_path_factory):
+    """A loopback Mooncake master and holder: the far tier of the tiered pools."""
+    from vllm_layerwise_patch.mooncake_local import LocalMooncake, free_port
+
+    lm = LocalMooncake(tmp_path_factory.mktemp("faults-mooncake"), rpc_port=free_port(),
+                       metrics_port=free_port(), holder=256 << 20,
+                       holder_port=free_port()).start()
+    yield lm
+    lm.stop()
+
+
+def base_pool(request, backend, work, name):
+    """An lmdb pool at ``work/name``, or a tiered one: that lmdb pool as its
+    near tier in front of the module's Mooncake (its namespace salted by
+    ``name``, so pools of the module never share far-tier entries)."""
+    pool = {"path": str(work / name), "capacity": "64MiB"}
+    if backend == "tiered":
+        mc = request.getfixturevalue("mooncake")
+        pool.update(backend="tiered", namespace_salt=name, mooncake={
+            "master_address": mc.master_address, "global_segment_size": 0,
+            "local_buffer_size": "32MiB"})
+    return pool
+
+
+@pytest.fixture(scope="module", params=["lmdb", "tiered"])
+def pool_p(request, tiny_model_dir, work, cold):
+    """A pool holding P (stored by one engine): lmdb, and tiered."""
+    pool = base_pool(request, request.param, work, f"pool-p-{request.param}")
     res = served(engine(tiny_model_dir, work, [P], pool=pool))
     assert toks(res) == [cold["P"]]
     return pool
@@ -219,9 +247,10 @@ def test_backend_error_in_a_load_recomputes(tiny_model_dir, work, pool_p, cold):
     assert "recomputes without the pool after a failed load" in res["log"]
 
 
-def test_backend_error_in_a_save_is_a_skipped_save(tiny_model_dir, work, cold):
-    pool = {"path": str(work / "pool-save-fault"), "capacity": "64MiB",
-            "debug_backend_fault": "save"}
+@pytest.mark.parametrize("backend", ["lmdb", "tiered"])
+def test_backend_error_in_a_save_is_a_skipped_save(request, tiny_model_dir, work, cold, backend):
+    pool = dict(base_pool(request, backend, work, f"pool-save-fault-{backend}"),
+                debug_backend_fault="save")
     res = served(engine(tiny_model_dir, work, [P, HOT], pool=pool))
     assert toks(res) == [cold["P"], cold["HOT"]]
     assert metric(res, "Failed saves") > 0

@@ -17,6 +17,8 @@ PATH is the pool directory (the LMDB backend); ``--config`` takes the
 connector's ``kv_connector_extra_config`` (or a whole ``--kv-transfer-config``)
 as JSON text or a file, for ``shared_group`` or the Mooncake backend.  On
 Mooncake only ``info`` works, and only partly: its client cannot list keys.
+On the tiered backend every action works on its near tier (the lmdb pool of
+``path``); ``info`` also says whether the far tier's master answers.
 
 Exit status: 0 done; 1 damage found and not dropped, or the command refused
 or failed; 2 usage.
@@ -99,7 +101,13 @@ def _print_info(doc: dict[str, Any]) -> None:
     from .pool.directory.holders import describe
 
     used, cap = doc["used_bytes"], doc["capacity_bytes"]
-    print(f"pool {doc['path']} (lmdb)")
+    print(f"pool {doc['path']} (lmdb)" if "far" not in doc else
+          f"pool {doc['path']} (tiered: this lmdb pool is the near tier)")
+    if "far" in doc:
+        far = doc["far"]
+        print(f"  far tier  Mooncake master {far['master_address']} ("
+              + ("reachable" if far["reachable"] else f"not reachable: it {far['why']}")
+              + "); hits, far hits and promotions by tier: the engines' metrics")
     print(f"  capacity  {_size(cap)} (map size; data file {_size(doc['file_bytes'])})")
     print(f"  used      {_size(used)} in pages ({100 * used / cap if cap else 0:.1f} %), "
           f"{doc['entries']} entries")
@@ -154,6 +162,16 @@ def _mooncake_info(config, namespace: str | None, as_json: bool) -> int:
     return 0
 
 
+def _far_tier(mc) -> dict[str, Any]:
+    """The far tier of a tiered pool: its master and whether it answers."""
+    from .pool.backends.mooncake.connection import master_answers
+
+    host, _, port = mc.master_address.rpartition(":")
+    why = master_answers(host, int(port), mc.connect_timeout_seconds)
+    return {"backend": "mooncake", "master_address": mc.master_address,
+            "reachable": why is None, **({"why": why} if why else {})}
+
+
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None, lambda: None
@@ -193,6 +211,9 @@ def run(ns: argparse.Namespace) -> int:
         except PoolConfigError as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
             return 1
+    # tiered: the near tier is the lmdb pool of path; the far tier is Mooncake,
+    # whose client cannot list keys (info says whether its master answers)
+    ns.far = config.mooncake if config.backend == "tiered" else None
     path = config.path
     if path is None:  # the default (a fallback when another user holds it: name it)
         from .pool.directory.paths import default_path
@@ -229,6 +250,8 @@ def _act(ns: argparse.Namespace, backend: Any, admin: Any, holders: Any) -> int:
             doc["namespaces"] = {k: v for k, v in doc["namespaces"].items()
                                  if k.startswith(ns.namespace)}
         doc["holders"] = holders.holders(backend.path)
+        if getattr(ns, "far", None):  # (backend tiered: this is its near tier)
+            doc.update(backend="tiered", tier="near", far=_far_tier(ns.far))
         if ns.json:
             print(json.dumps(doc, indent=1, sort_keys=True))
         else:

@@ -182,8 +182,14 @@ def measure(results: list[dict[str, Any]], workload: Workload) -> dict[str, Any]
         "External hit tokens loaded", "Loaded (GB)", "Load time (ms)",
         "Forward wait on loads (ms)", "Saved (GB)", "Save time (ms)",
         "Save write time (ms)", "Send thread CPU (ms)", "Forward time in save hooks (ms)",
-        "State pre-copy (ms)")}
+        "State pre-copy (ms)", "Pages loaded from the near tier",
+        "Pages loaded from the far tier")}
     external = min(m["External hit tokens loaded"], cached)
+    pages = m["Pages loaded from the near tier"] + m["Pages loaded from the far tier"]
+    # backend tiered: the pool's hit tokens split by the tier their pages came from
+    tiers = {"hit_rate_by_tier": {
+        "near": external / total * m["Pages loaded from the near tier"] / pages,
+        "far": external / total * m["Pages loaded from the far tier"] / pages}} if pages else {}
     load_s = m["Load time (ms)"] / 1e3
     return {
         "requests": len(outs), "prompt_tokens": total,
@@ -203,4 +209,4 @@ def measure(results: list[dict[str, Any]], workload: Workload) -> dict[str, Any]
                  "send_thread_cpu_s": m["Send thread CPU (ms)"] / 1e3,
                  "forward_hooks_s": m["Forward time in save hooks (ms)"] / 1e3},
         "tokens": [o["tokens"] for o in outs],
-    }
+    } | tiers

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from .config_tiered import TieredConfig
+
 PREFIX = "kv_connector_extra_config"
 
 _UNITS = {"B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -173,12 +175,18 @@ class PoolConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    backend: Literal["lmdb", "mooncake"] = Field(
-        default="lmdb", description="storage backend: `lmdb` (embedded, one machine) or "
-                                    "`mooncake` (Mooncake Store, many machines)")
+    backend: Literal["lmdb", "mooncake", "tiered"] = Field(
+        default="lmdb", description="storage backend: `lmdb` (embedded, one machine), "
+                                    "`mooncake` (Mooncake Store, many machines) or `tiered` "
+                                    "(an lmdb pool as the near tier in front of Mooncake)")
     mooncake: MooncakeConfig = Field(
         default_factory=MooncakeConfig,
         description="the Mooncake client (backend `mooncake`): see the table below")
+    tiered: TieredConfig = Field(
+        default_factory=TieredConfig,
+        description="backend `tiered`: the near tier's policy (its own table); the near "
+                    "tier is the lmdb pool of `path`, `capacity`, `shared_group` and "
+                    "`preallocate`, the far tier the Mooncake client of `mooncake`")
     on_backend_unavailable: Literal["recompute", "fail"] = Field(
         default="recompute",
         description="a distributed backend that cannot be reached at startup: `recompute` "
@@ -295,7 +303,8 @@ def _describe(exc: ValidationError) -> str:
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "(root)"
         if err["type"] == "extra_forbidden":
-            model = MooncakeConfig if err["loc"][0] == "mooncake" else PoolConfig
+            model = {"mooncake": MooncakeConfig, "tiered": TieredConfig}.get(
+                err["loc"][0] if len(err["loc"]) > 1 else "", PoolConfig)
             msg = f"unknown field (known: {', '.join(model.model_fields)})"
         else:
             msg = err["msg"].removeprefix("Value error, ")

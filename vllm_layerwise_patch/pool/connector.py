@@ -133,8 +133,8 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched = self._worker = self._weights = None
         # who holds the pool (`pool clear` asks): where it was opened (the
         # default path, or this user's fallback when another user holds it)
-        self._held = getattr(self.backend, "path", None) if self.pool_config.backend == "lmdb" \
-            else None
+        self._held = getattr(self.backend, "path", None) \
+            if self.pool_config.backend in ("lmdb", "tiered") else None
         if self._held:
             from .directory import holders
 

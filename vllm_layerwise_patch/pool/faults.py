@@ -107,6 +107,14 @@ class Faults:
     #: a worker runs loads and saves whatever adapter copy it holds (the rule
     #: before the fix: the scheduler's digest of the files names the blocks)
     adapter_digest_at_lookup: bool = False
+    #: the tiered backend's lookups and reads skip the near tier (every hit
+    #: is read from the far tier: master requests on near-tier hits)
+    tiered_near_blind: bool = False
+    #: a promotion into the near tier leaves a block's last page out and
+    #: writes its commit marker all the same (a torn promoted copy)
+    tiered_promote_torn: bool = False
+    #: ``backend_fault`` hits only this tier of the tiered backend: "near" or "far"
+    tiered_fault_tier: str = ""
 
     @property
     def active(self) -> list[str]:
@@ -143,6 +151,8 @@ def parse(text: str | None) -> Faults:
     faults = Faults(**values)
     if faults.backend_fault not in _BACKEND_FAULTS:
         raise ValueError(f"{FAULTS_ENV}.backend_fault: one of {_BACKEND_FAULTS[1:]}")
+    if faults.tiered_fault_tier not in ("", "near", "far"):
+        raise ValueError(f"{FAULTS_ENV}.tiered_fault_tier: 'near' or 'far'")
     return faults
 
 

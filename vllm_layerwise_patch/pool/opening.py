@@ -15,18 +15,59 @@ logger = logging.getLogger("vllm.layerwise_patch")
 
 
 def _open_store(config: PoolConfig, role: str | None):
+    if config.backend == "tiered":
+        return _open_tiered(config, role)
     if config.backend == "mooncake":
-        try:
-            import mooncake.store  # noqa: F401
-        except ImportError as exc:
-            raise PoolConfigError(
-                "kv_connector_extra_config.backend: 'mooncake' needs Mooncake Store: pip "
-                "install 'vllm-layerwise-patch[mooncake]' (on CPU machines also Debian's "
-                f"libibverbs1): {exc}") from exc
-        from .backends.mooncake.backend import open_shared as open_mooncake
+        return _open_mooncake(config, role)
+    return _open_lmdb(config)
 
-        return open_mooncake(config.mooncake, on_unavailable=config.on_backend_unavailable,
-                             segment=role == "worker")
+
+def _open_tiered(config: PoolConfig, role: str | None):
+    """The near tier (the lmdb pool of ``path``) in front of the far tier
+    (Mooncake); the tests' ``tiered_fault_tier`` puts ``backend_fault`` on
+    one tier only."""
+    from .backends.tiered.backend import TieredBackend
+    from .faults import faults
+
+    far = _open_mooncake(config, role)
+    try:
+        near = _open_lmdb(config)
+    except BaseException:
+        far.close()
+        raise
+    f = faults()
+    if f.backend_fault and f.tiered_fault_tier and role is not None \
+            and (f.backend_fault == "lookup") == (role == "scheduler"):
+        from .backends.base import FaultInjectingBackend
+
+        if f.tiered_fault_tier == "near":
+            near = FaultInjectingBackend(near, f.backend_fault)
+        else:
+            far = FaultInjectingBackend(far, f.backend_fault)
+    # one side promotes: the scheduler, whose lookup verification reads whole
+    # blocks (verify_on_lookup), else the workers, whose loads read them a
+    # layer at a time - the loads then copy nothing
+    promotes = role is None or (role == "scheduler") == config.verify_on_lookup
+    return TieredBackend(near, far, promote=config.tiered.promote and promotes,
+                         pending_blocks=config.tiered.promote_pending_blocks,
+                         promote_after=config.tiered.promote_after_far_hits)
+
+
+def _open_mooncake(config: PoolConfig, role: str | None):
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        raise PoolConfigError(
+            "kv_connector_extra_config.backend: 'mooncake' needs Mooncake Store: pip "
+            "install 'vllm-layerwise-patch[mooncake]' (on CPU machines also Debian's "
+            f"libibverbs1): {exc}") from exc
+    from .backends.mooncake.backend import open_shared as open_mooncake
+
+    return open_mooncake(config.mooncake, on_unavailable=config.on_backend_unavailable,
+                         segment=role == "worker")
+
+
+def _open_lmdb(config: PoolConfig):
     try:
         import lmdb  # noqa: F401
     except ImportError as exc:
@@ -84,7 +125,8 @@ def open_backend(config: PoolConfig, fault_role: str | None = None):
     if isinstance(backend, NoPool):
         return backend
     fault = faults().backend_fault
-    if fault and fault_role is not None and (fault == "lookup") == (fault_role == "scheduler"):
+    if fault and fault_role is not None and (fault == "lookup") == (fault_role == "scheduler") \
+            and not (config.backend == "tiered" and faults().tiered_fault_tier):
         from .backends.base import FaultInjectingBackend
 
         return FaultInjectingBackend(backend, fault)

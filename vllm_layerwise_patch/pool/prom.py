@@ -97,6 +97,25 @@ METRICS: tuple[Metric, ...] = (
     Metric("evictions", "counter", "evictions",
            "Block groups (one block's pages of one kind on one TP rank) evicted to make "
            "room for this engine's saves."),
+    Metric("near_pages_loaded", "counter", "near_pages_loaded",
+           "Backend `tiered`: pages (one layer of one block) the workers loaded from the "
+           "near tier (LMDB), every TP rank's; with `far_pages_loaded`, the near tier's "
+           "share of what hits read."),
+    Metric("far_pages_loaded", "counter", "far_pages_loaded",
+           "Backend `tiered`: pages the workers loaded from the far tier (Mooncake)."),
+    Metric("promoted_blocks", "counter", "promoted_blocks",
+           "Backend `tiered`: blocks (of one kind on one TP rank) read from the far tier "
+           "and written into the near tier (`tiered.promote`)."),
+    Metric("promotions_dropped", "counter", "promotions_dropped",
+           "Backend `tiered`: blocks not promoted because `tiered.promote_pending_blocks` "
+           "others were waiting for their pages; they stay far-tier hits."),
+    Metric("promotions_refused", "counter", "promotions_refused",
+           "Backend `tiered`: blocks not promoted because a value read from the far tier "
+           "failed its check (such a load fails and recomputes)."),
+    Metric("far_save_failures", "counter", "far_save_failures",
+           "Backend `tiered`: saves the far tier (Mooncake) did not take (the master "
+           "down, the store full); the near tier keeps what it took - a save neither "
+           "tier took is a failed save."),
     Metric("used_bytes", "gauge", "pool_used_bytes",
            "Bytes of pool pages in use, every engine's entries (embedded LMDB backend; "
            "read while the engine runs steps)."),

@@ -26,6 +26,10 @@ COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
             "saves_skipped", "save_failures", "evictions", "save_write_seconds",
             "save_cpu_seconds", "save_hook_seconds", "precopy_seconds", "put_skipped",
             "saves_tainted",
+            # the tiered backend's (backends.tiered): each side its own
+            "near_pages_loaded", "far_pages_loaded", "promoted_blocks",
+            "promotions_dropped", "promotions_refused", "promotions_failed",
+            "near_save_failures", "far_save_failures",
             # the scheduler's: once per engine whatever the TP size
             "lookup_hit_tokens", "lookup_hit_blocks", "shared_load_waits",
             "shared_load_timeouts")
@@ -115,5 +119,9 @@ class PoolStats(KVConnectorStats):
             "Block objects given up (transfer failed twice)": int(d["put_skipped"]),
             "Blocks evicted": int(d["evictions"]),
             "Lookups waiting on a shared load": int(d["shared_load_waits"]),
-        } | ({"Pool used (GB)": round(d["pool_used_bytes"] / gb, 4)}
+        } | ({"Pages loaded from the near tier": int(d["near_pages_loaded"]),
+              "Pages loaded from the far tier": int(d["far_pages_loaded"]),
+              "Blocks promoted into the near tier": int(d["promoted_blocks"])}
+             if d["near_pages_loaded"] or d["far_pages_loaded"] or d["promoted_blocks"]
+             else {}) | ({"Pool used (GB)": round(d["pool_used_bytes"] / gb, 4)}
              if "pool_used_bytes" in d else {})

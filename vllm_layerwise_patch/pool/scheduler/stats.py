@@ -20,6 +20,10 @@ from ..stats import PoolStats
 #: scheduler's counts -> counter in :class:`PoolStats`
 DELTAS = {"waits": "shared_load_waits", "timeouts": "shared_load_timeouts",
           "load_failures": "load_failures"}
+#: the tiered backend's counts of the scheduler's own reads (its lookups'
+#: verification promotes far-tier hits); the workers report their loads'
+_SCHEDULER_TIER = ("promoted_blocks", "promotions_dropped", "promotions_refused",
+                   "promotions_failed")
 
 
 class SchedulerSideStats:
@@ -53,6 +57,11 @@ class SchedulerSideStats:
             if n != self._sent[name]:
                 out[counter] = n - self._sent[name]
                 self._sent[name] = n
+        tiers = getattr(self.backend, "tier_counts", None)  # (backend tiered: promotions)
+        for name in _SCHEDULER_TIER if tiers else ():
+            if tiers[name] != self._sent.get(name, 0):
+                out[name] = tiers[name] - self._sent.get(name, 0)
+                self._sent[name] = tiers[name]
         now = time.monotonic()
         if now >= self._next_fill:
             self._next_fill = now + self.interval

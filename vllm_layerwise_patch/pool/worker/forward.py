@@ -249,7 +249,8 @@ class PoolWorker:
                    "save_hook_seconds": self._hook_seconds,
                    "precopy_seconds": self._precopy_seconds,
                    "evictions": getattr(self.backend, "evicted_groups", 0),
-                   "put_skipped": getattr(self.backend, "put_skipped", 0)}
+                   "put_skipped": getattr(self.backend, "put_skipped", 0),
+                   **getattr(self.backend, "tier_counts", {})}  # (backend tiered)
             self.stats.add(**{k: now[k] - self._reported.get(k, 0) for k in now})
             self._reported = now
 

@@ -1,0 +1,2 @@
+"""The tiered backend: an embedded LMDB near tier in front of Mooncake Store
+(:mod:`.backend`)."""
