@@ -164,3 +164,11 @@ def render(session: nox.Session) -> None:
     session.install("-e", ".", "--no-deps")
     session.install("packaging", "wrapt")
     session.run("python", "scripts/matrix.py", "--render")
+
+
+@nox.session(python=False)
+def slow(session: nox.Session) -> None:
+    """The tests marked slow (long rehearsals, second-backend variants), which
+    scripts/test.sh leaves out of its default set, with the same set-up."""
+    session.run("bash", "scripts/test.sh", *session.posargs, external=True,
+                env={"VLP_TESTS": "slow", "VLP_MATRIX_CHECK": ""})

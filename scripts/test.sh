@@ -2,6 +2,14 @@
 # Set up everything and run the test suite (the README's test command).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+# VLP_TESTS picks the set: "default" (everything but the tests marked slow:
+# long rehearsals and second-backend variants), "slow" (only those), "all".
+case ${VLP_TESTS-default} in
+  default) select=(-m "not slow") ;;
+  slow) select=(-m slow) ;;
+  all) select=() ;;
+  *) echo "VLP_TESTS must be default, slow or all, not '${VLP_TESTS}'" >&2; exit 2 ;;
+esac
 venv=$(bash "$root/scripts/setup-venv.sh" test | tail -n 1)
 cd "$root"
 # The pytest script (not `python -m pytest`) keeps the source tree off
@@ -16,7 +24,7 @@ if [ "$workers" != "0" ]; then
   xdist=(-n "$workers" --dist loadfile)
 fi
 set +e
-"$venv/bin/pytest" -ra --durations=15 "${xdist[@]}" "$@"
+"$venv/bin/pytest" -ra --durations=15 "${xdist[@]}" "${select[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

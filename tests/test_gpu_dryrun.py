@@ -119,6 +119,7 @@ def test_carry_holds_what_the_run_needs(tmp_path):
     assert os.access(out / "gpu" / "run_carried.sh", os.R_OK)
 
 
+@pytest.mark.slow  # a CPU rehearsal of a GPU run: the slow set
 def test_engine_checks_dry_run(tmp_path):
     """check_engine.py through run_gpu_checks.sh on CPU: the same plan as on a
     GPU (doctor; engines A, B, C with and without asynchronous scheduling, a
@@ -174,6 +175,7 @@ def test_engine_checks_dry_run(tmp_path):
 # -- issue #35: the pool's GPU data path in the pipeline check's dry run ------------------
 # (its own test, appended: runs check_pool_pipeline.py alone, ~20 s)
 
+@pytest.mark.slow  # a CPU rehearsal of a GPU run: the slow set
 def test_pool_pipeline_dry_run_covers_the_staged_data_path(tmp_path):
     """The staged path (pinned rings, copy streams, events; on CPU the fake
     device of tests/gpu/fake_device.py, whose streams run only when waited

@@ -96,7 +96,8 @@ def base_pool(request, backend, work, name):
     return pool
 
 
-@pytest.fixture(scope="module", params=["lmdb", "tiered"])
+# the tiered variants repeat the lmdb ones over a Mooncake far tier: the slow set
+@pytest.fixture(scope="module", params=["lmdb", pytest.param("tiered", marks=pytest.mark.slow)])
 def pool_p(request, tiny_model_dir, work, cold):
     """A pool holding P (stored by one engine): lmdb, and tiered."""
     pool = base_pool(request, request.param, work, f"pool-p-{request.param}")
@@ -247,7 +248,7 @@ def test_backend_error_in_a_load_recomputes(tiny_model_dir, work, pool_p, cold):
     assert "recomputes without the pool after a failed load" in res["log"]
 
 
-@pytest.mark.parametrize("backend", ["lmdb", "tiered"])
+@pytest.mark.parametrize("backend", ["lmdb", pytest.param("tiered", marks=pytest.mark.slow)])
 def test_backend_error_in_a_save_is_a_skipped_save(request, tiny_model_dir, work, cold, backend):
     pool = dict(base_pool(request, backend, work, f"pool-save-fault-{backend}"),
                 debug_backend_fault="save")

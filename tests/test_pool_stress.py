@@ -17,7 +17,7 @@ import pytest
 
 from vllm_layerwise_patch.testing.engines import engine_env, kv_metrics, run_engine
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a long trace: the slow set
 
 N, PREFIXES, SHARED = 100, 4, 0.9
 PREFIX_BLOCKS = 1280  # a 1300-token prefix: 2 full 640-token blocks
