@@ -45,6 +45,7 @@ class Faults:
     #: drafter pages ignore the token after their block
     draft_token_blind: bool = False
     #: append the send thread's events to this file, one JSON line each
+    #: (``[what, step]``; ``blocks=N``: the step's saves hold N blocks)
     event_log: str = ""
     #: the rule before the async-scheduling fix: a failed load taints only the
     #: step of the failure (later steps of that request, and requests that
@@ -107,6 +108,9 @@ class Faults:
     #: a worker runs loads and saves whatever adapter copy it holds (the rule
     #: before the fix: the scheduler's digest of the files names the blocks)
     adapter_digest_at_lookup: bool = False
+    #: the scheduler hands every admitted block to the workers whatever
+    #: ``save_budget_blocks`` says (a budget that is not enforced)
+    save_budget_ignored: bool = False
 
     @property
     def active(self) -> list[str]:

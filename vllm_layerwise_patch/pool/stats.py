@@ -28,7 +28,7 @@ COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
             "saves_tainted",
             # the scheduler's: once per engine whatever the TP size
             "lookup_hit_tokens", "lookup_hit_blocks", "shared_load_waits",
-            "shared_load_timeouts")
+            "shared_load_timeouts", "blocks_not_admitted", "blocks_over_budget")
 #: figures per request, counted once per engine whatever the TP size (every
 #: rank loads and saves the same requests' blocks, each its own pages):
 #: "rank0" - only TP rank 0's worker reports it; "scheduler" - the scheduler
@@ -115,5 +115,7 @@ class PoolStats(KVConnectorStats):
             "Block objects given up (transfer failed twice)": int(d["put_skipped"]),
             "Blocks evicted": int(d["evictions"]),
             "Lookups waiting on a shared load": int(d["shared_load_waits"]),
+            "Blocks not admitted": int(d["blocks_not_admitted"]),
+            "Blocks over the save budget": int(d["blocks_over_budget"]),
         } | ({"Pool used (GB)": round(d["pool_used_bytes"] / gb, 4)}
              if "pool_used_bytes" in d else {})
