@@ -284,3 +284,42 @@ def test_config_errors_name_the_field(extra, field):
     with pytest.raises(PoolConfigError) as e:
         PoolConfig.from_extra(extra)
     assert f"kv_connector_extra_config.{field}" in str(e.value), str(e.value)
+
+
+# -- bench --trace --admission (no server here) -------------------------------------
+
+def _replayed(hit, pool_hit, saved, not_admitted=0.0, cap=None):
+    return {"requests": 2, "seconds": 1.0, "capacity_bytes": cap,
+            "ttft_s": {"avg": 0.2, "p50": 0.2, "p90": 0.3, "p99": 0.4},
+            "hit_rate": {"hbm": hit - pool_hit, "pool": pool_hit},
+            "prompt_tokens_by_source": {}, "tokens": [[1], [2]],
+            "pool": {"evictions": 0.0, "save_bytes_sum": saved, "blocks_saved": saved / 8,
+                     "blocks_not_admitted": not_admitted}}
+
+
+def test_bench_compares_each_rule_with_all_at_the_same_capacity(tmp_path):
+    from vllm_layerwise_patch.bench.admission import compare, markdown, plot
+    from vllm_layerwise_patch.bench.replay import finish
+
+    results = {"hbm": _replayed(0.3, 0.0, 0.0),
+               "pool@64MiB": _replayed(0.50, 0.20, 800.0, cap=64 << 20),
+               "pool@256MiB": _replayed(0.60, 0.30, 1000.0, cap=256 << 20),
+               "pool@64MiB/reused": _replayed(0.46, 0.16, 500.0, 40, cap=64 << 20),
+               "pool@256MiB/reused": _replayed(0.50, 0.20, 600.0, 40, cap=256 << 20)}
+    doc = finish(results, ["64MiB", "256MiB"])
+    # the capacity sweep is admission `all` only
+    assert [p["capacity"] for p in doc["capacity_sweep"]] == ["64MiB", "256MiB"]
+    rows = compare(doc["results"], ["64MiB", "256MiB"], ["all", "reused"])
+    assert [(r["capacity"], r["rule"]) for r in rows] == [
+        ("64MiB", "all"), ("64MiB", "reused"), ("256MiB", "all"), ("256MiB", "reused")]
+    small, big = rows[1], rows[3]
+    assert small["hit_points_lost"] == pytest.approx(0.04)
+    assert small["bytes_saved_cut"] == pytest.approx(0.375) and small["goal_met"]
+    # 10 points lost: not met, however much less it saves
+    assert big["hit_points_lost"] == pytest.approx(0.10) and not big["goal_met"]
+    text = "\n".join(markdown(rows))
+    assert "| 64MiB | reused | 46.0% | 16.0% |" in text and "| 4.0 | 38% | met |" in text
+    assert "| 10.0 | 40% | not met |" in text
+    pytest.importorskip("matplotlib")
+    (png,) = plot(rows, str(tmp_path))
+    assert (tmp_path / png).stat().st_size > 0
