@@ -144,8 +144,16 @@ def main() -> int:
                      f"{r['bytes_saved_cut']:.0%}" if rule != "all" else ""))
     for r in rows:
         r.pop("served_from_pool", None)
+    n = tr.block_tokens(ns.scale)
+    uses: dict[int, int] = {}
+    for r in reqs:  # the requests that hold each full block
+        length = max(1, r.input_length // ns.scale)
+        for h in r.hash_ids[:length // n]:
+            uses[h] = uses.get(h, 0) + 1
+    spread = {str(k): sum(1 for v in uses.values() if v == k) for k in sorted(set(uses.values()))}
+    print("full blocks by the number of requests holding them:", spread)
     doc = {"trace": os.path.basename(ns.trace), "stats": tr.stats(reqs, ns.scale),
-           "hbm_blocks": ns.hbm_blocks, "rows": rows,
+           "hbm_blocks": ns.hbm_blocks, "rows": rows, "blocks_by_requests_holding": spread,
            "command": "python benchmarks/bench_admission_model.py " + " ".join(sys.argv[1:]),
            "model": __doc__.split("\n\n")[1]}
     os.makedirs(os.path.dirname(ns.out), exist_ok=True)
