@@ -323,3 +323,14 @@ def test_bench_compares_each_rule_with_all_at_the_same_capacity(tmp_path):
     pytest.importorskip("matplotlib")
     (png,) = plot(rows, str(tmp_path))
     assert (tmp_path / png).stat().st_size > 0
+
+
+def test_a_request_whose_blocks_cannot_be_counted_is_not_counted(caplog):
+    # (the engine never stops for the pool: at most a save is not made)
+    adm = Admission(_layout(), "reused")
+    adm.see(types.SimpleNamespace(request_id="bad", block_hashes=None))
+    adm.see(types.SimpleNamespace(request_id="bad2", block_hashes=None))
+    assert not adm.counts
+    assert caplog.text.count("admission cannot count") == 1
+    adm.see(_req(_hashes(1), B + 1, "good"))
+    assert len(adm.counts) == 1

@@ -28,11 +28,14 @@ request's pages may be freed once it ends.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from ..metadata import SaveSpec
+
+logger = logging.getLogger("vllm.layerwise_patch")
 
 
 class Admission:
@@ -42,6 +45,7 @@ class Admission:
         self.window = max(1, int(window))
         self.counts: OrderedDict[bytes, int] = OrderedDict()  # hash -> requests seen
         self._seen_to: dict[str, int] = {}  # req_id -> its blocks [0, n) counted
+        self._warned = False
 
     @property
     def counting(self) -> bool:
@@ -54,8 +58,16 @@ class Admission:
             return
         req_id, L = request.request_id, self.layout
         done = self._seen_to.get(req_id, 0)
-        n = L.num_blocks(request.block_hashes)
-        hashes = L.block_hashes(request.block_hashes, done, n)
+        try:
+            n = L.num_blocks(request.block_hashes)
+            hashes = L.block_hashes(request.block_hashes, done, n)
+        except Exception as exc:  # noqa: BLE001 - uncounted: at most a save not made
+            if not self._warned:
+                self._warned = True
+                logger.warning("vllm-layerwise-patch pool: admission cannot count request "
+                               "%s's blocks (%s: %s); they are not counted (further errors "
+                               "are not logged)", req_id, type(exc).__name__, exc)
+            return
         for h in hashes:
             self.counts[h] = self.counts.get(h, 0) + 1
             self.counts.move_to_end(h)

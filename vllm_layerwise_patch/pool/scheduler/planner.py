@@ -39,11 +39,11 @@ from ..keys import ATTN, STATE, group_key
 from ..layout import PoolLayout
 from ..metadata import LoadSpec, PoolMetadata, load_groups
 from ..side import PoolSide, kv_roles
+from .admission import policy_of, within_budget
 from .failures import StepRecords, steps_in_flight
 from .inflight import InflightLoads
 from .lookup import PoolLookup
 from .pins import Pins
-from .admission import policy_of, within_budget
 from .saves import SavePlanner, Tracked
 
 logger = logging.getLogger("vllm.layerwise_patch")
