@@ -138,7 +138,8 @@ def _server(s: ReplaySetup, config: str, tag: str, pool: dict[str, Any] | None) 
              str(s.max_model_len), "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
     if config == "no-prefix-cache":
         extra.append("--no-enable-prefix-caching")
-    return VllmServer(s.model, port=_port(), log=s.work / f"{config}-{tag}.log", pool=pool,
+    log = s.work / f"{config.replace('/', '-')}-{tag}.log"
+    return VllmServer(s.model, port=_port(), log=log, pool=pool,
                       patches="1" if pool else "0", extra=extra,
                       env=CPU_TORCH_KERNELS if s.torch_kernels else None)
 
