@@ -114,6 +114,7 @@ def test_a_step_saves_at_most_the_budget_and_the_rest_is_counted(tiny_model_dir,
     assert toks(res) == baseline["Q batch"]
     blocks = step_blocks(log)
     over = total(res, "Blocks over the save budget")
+    print(f"budget {k} ({tag}): blocks per saving step {blocks}, over the budget {over}")
     if not enforced:
         assert max(blocks) > k, blocks  # the step the budget exists for
         assert over == 0
