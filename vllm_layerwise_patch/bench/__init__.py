@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--max-model-len", type=int, default=8192)
     t.add_argument("--restart", action="store_true",
                    help="also replay hbm and the largest pool with a restart halfway")
+    t.add_argument("--admission", default="all",
+                   help="pool admission rules to compare at every capacity (comma-separated: "
+                        "all,reused; 'all' is the pool@CAP runs)")
     t.add_argument("--exact-check", type=int, default=0, metavar="M",
                    help="then replay the first M requests at concurrency 1 on hbm and the "
                         "largest pool: their tokens must be equal")
@@ -270,7 +273,8 @@ def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
                         max_num_batched_tokens=ns.max_num_batched_tokens,
                         torch_kernels=not ns.gpu and ns.cpu_kernels != "triton")
     doc = run_all(setup, [c for c in ns.capacities.split(",") if c], restart=ns.restart,
-                  exact=ns.exact_check, configs=[c for c in ns.configs.split(",") if c])
+                  exact=ns.exact_check, configs=[c for c in ns.configs.split(",") if c],
+                  admission=[a for a in ns.admission.split(",") if a])
     hbm_tokens = None
     log = Path(work) / "hbm-part0.log"
     if log.exists():
@@ -287,7 +291,7 @@ def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
                     ns.max_num_batched_tokens, "capacities": ns.capacities,
                     "output": (f"output_length / {ns.scale}" + (
                         f", at most {ns.output_cap}" if ns.output_cap else "")),
-                    "torch_kernels": setup.torch_kernels}
+                    "torch_kernels": setup.torch_kernels, "admission": ns.admission}
     doc["notes"] = NOTES
     doc["command"] = "python -m vllm_layerwise_patch bench " + " ".join(ns.argv)
     return doc
@@ -301,7 +305,9 @@ def _write_trace(doc: dict[str, Any], out: str) -> None:
     summary = markdown(doc)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(summary)
-    made = plot(doc, out)
+    from .admission import plot as admission_plot
+
+    made = plot(doc, out) + admission_plot(doc.get("admission") or [], out)
     print(summary)
     print(f"\nwrote {out}/trace.json, {out}/summary.md" + "".join(f", {p}" for p in made))
 

@@ -9,7 +9,10 @@ through ``vllm serve``, side by side in one run:
   capacity of the sweep (``--capacities``), each on an empty pool;
 * with ``--restart``: ``hbm+restart`` and ``pool@CAP+restart`` (the largest
   capacity) restart the server halfway through the replay (vLLM's cache
-  starts empty again, the pool does not).
+  starts empty again, the pool does not);
+* with ``--admission all,reused``: ``pool@CAP/reused`` at every capacity,
+  the pool with that ``admission`` rule (``pool@CAP`` is ``all``), compared
+  by :mod:`.admission` (hit rate against bytes saved).
 
 Requests are sent as token ids (vLLM's OpenAI completions, streamed, greedy,
 ``ignore_eos``): closed loop at ``--concurrency``, or open loop at the trace's
@@ -39,7 +42,9 @@ from .server import SOURCES, _port
 
 POOL_COUNTERS = ("vllm:layerwise_pool_evictions_total", "vllm:layerwise_pool_skipped_saves_total",
                  "vllm:layerwise_pool_failed_loads_total",
-                 "vllm:layerwise_pool_hit_tokens_total")
+                 "vllm:layerwise_pool_hit_tokens_total", "vllm:layerwise_pool_save_bytes_sum",
+                 "vllm:layerwise_pool_blocks_saved_total",
+                 "vllm:layerwise_pool_blocks_not_admitted_total")
 
 
 @dataclasses.dataclass
@@ -133,21 +138,23 @@ def _server(s: ReplaySetup, config: str, tag: str, pool: dict[str, Any] | None) 
              str(s.max_model_len), "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
     if config == "no-prefix-cache":
         extra.append("--no-enable-prefix-caching")
-    return VllmServer(s.model, port=_port(), log=s.work / f"{config}-{tag}.log", pool=pool,
+    log = s.work / f"{config.replace('/', '-')}-{tag}.log"
+    return VllmServer(s.model, port=_port(), log=log, pool=pool,
                       patches="1" if pool else "0", extra=extra,
                       env=CPU_TORCH_KERNELS if s.torch_kernels else None)
 
 
 def run_config(s: ReplaySetup, config: str, capacity: str | None = None, *,
-               restart: bool = False, exact: int = 0) -> dict[str, Any]:
+               restart: bool = False, exact: int = 0,
+               pool_extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Replay the selection with one configuration: client numbers, hits by
     source, pool counters; ``exact``: then the first ``exact`` requests again
-    at concurrency 1 on the same server."""
+    at concurrency 1 on the same server; ``pool_extra``: more pool settings."""
     pool = None
     if capacity is not None:
-        path = s.work / f"pool-{config}"
+        path = s.work / f"pool-{config.replace('/', '-')}"
         shutil.rmtree(path, ignore_errors=True)
-        pool = {"path": str(path), "capacity": capacity}
+        pool = {"path": str(path), "capacity": capacity, **(pool_extra or {})}
     prompts, max_tokens = s.prompts(), s.max_tokens()
     ts = None
     if s.time_scale:
@@ -210,9 +217,12 @@ def equal_fraction(mine: list[list[int]], ref: list[list[int]]) -> dict[str, Any
 
 
 def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
-            exact: int = 0, configs: list[str] | None = None) -> dict[str, Any]:
+            exact: int = 0, configs: list[str] | None = None,
+            admission: list[str] | None = None) -> dict[str, Any]:
     """Every configuration; token equality against ``hbm`` (the no-pool
-    replay); the capacity sweep; the exact check's verdict."""
+    replay); the capacity sweep; the exact check's verdict; with
+    ``admission``, the admission rules side by side."""
+    from .admission import compare
     from tqdm import tqdm
 
     from ..pool.config import parse_size
@@ -223,18 +233,25 @@ def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
     todo += [(f"pool@{c}", c, False, exact if c == caps[-1] else 0) for c in caps]
     if restart and caps:
         todo += [("hbm+restart", None, True, 0), (f"pool@{caps[-1]}+restart", caps[-1], True, 0)]
+    rules = [a for a in admission or () if a != "all"]
+    todo += [(f"pool@{c}/{a}", c, False, 0) for a in rules for c in caps]
     if configs:
         todo = [t for t in todo if t[0] in configs]
     results: dict[str, dict[str, Any]] = {}
     for name, cap, rs, ex in tqdm(todo, desc="bench --trace", unit="config"):
+        rule = name.partition("/")[2]
         try:
-            results[name] = run_config(s, name, cap, restart=rs, exact=ex)
+            results[name] = run_config(s, name, cap, restart=rs, exact=ex,
+                                       pool_extra={"admission": rule} if rule else None)
         except Exception as exc:  # noqa: BLE001 - reported in the summary
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         if cap is not None:
             results[name]["capacity_bytes"] = parse_size(cap)
-        shutil.rmtree(s.work / f"pool-{name}", ignore_errors=True)  # its capacity: disk
-    return finish(results, caps, exact)
+        shutil.rmtree(s.work / f"pool-{name.replace('/', '-')}", ignore_errors=True)
+    doc = finish(results, caps, exact)
+    if rules:
+        doc["admission"] = compare(doc["results"], caps, ["all", *rules])
+    return doc
 
 
 def finish(results: dict[str, dict[str, Any]], caps: list[str], exact: int = 0
@@ -262,5 +279,5 @@ def finish(results: dict[str, dict[str, Any]], caps: list[str], exact: int = 0
               "evictions": r["pool"]["evictions"], "ttft_p50_s": r["ttft_s"]["p50"]}
              for name, r in results.items()
              if name.startswith("pool@") and not name.endswith("+restart")
-             and not r.get("error")]
+             and "/" not in name and not r.get("error")]
     return {"results": results, "capacity_sweep": sweep, "exact_check": exact_doc}

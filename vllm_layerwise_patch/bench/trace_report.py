@@ -91,6 +91,9 @@ def markdown(doc: dict[str, Any]) -> str:
                   f"{ex['pool_hit_tokens']:.0f} prompt tokens of the pool server's pass came "
                   f"from the pool, {ex['hbm_hit_tokens']:.0f} from HBM): "
                   f"**{eq['equal']}/{eq['of']}** requests with the same tokens.", ""]
+    from .admission import markdown as admission_markdown
+
+    lines += admission_markdown(doc.get("admission") or [])
     lines += ["## Reading it", "", *doc.get("notes", []), ""]
     return "\n".join(lines)
 

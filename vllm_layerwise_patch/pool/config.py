@@ -248,6 +248,26 @@ class PoolConfig(BaseModel):
         description="with speculative decoding: `next-token` keys the drafter's pages of a "
                     "block by the token that followed it, so a request continuing the same "
                     "way hits whole blocks; `trim` drops the last block of every hit")
+    admission: Literal["all", "reused"] = Field(
+        default="all",
+        description="which computed blocks are saved: `all` (every block not in the pool "
+                    "yet), or `reused`: only a block whose prefix at least two requests "
+                    "have held (counted by this scheduler over the last `admission_window` "
+                    "block hashes): a prefix seen once is not saved (a later miss, never a "
+                    "wrong token). Counted in `vllm:layerwise_pool_blocks_not_admitted_total`")
+    admission_window: int = Field(
+        default=64_000, ge=1, le=10_000_000,
+        description="with `admission: reused`: how many recently seen block hashes the "
+                    "scheduler remembers (about 150 bytes each); a block not seen within "
+                    "it counts from zero again")
+    save_budget_blocks: int = Field(
+        default=0, ge=0,
+        description="most blocks one scheduler step hands to the workers to save (a "
+                    "block's pages and its boundary state count once); the rest of the "
+                    "step's blocks are not saved (a later miss; counted in "
+                    "`vllm:layerwise_pool_blocks_over_save_budget_total`). On a hybrid layout a "
+                    "request's save of a step is kept whole or skipped (a cut one could "
+                    "never be hit). `0`: no limit")
     defer_last_save: bool = Field(
         default=False,
         description="a step's final write (the last layer's pages and the commit markers) "

@@ -45,6 +45,7 @@ class Faults:
     #: drafter pages ignore the token after their block
     draft_token_blind: bool = False
     #: append the send thread's events to this file, one JSON line each
+    #: (``[what, step]``; ``blocks=N``: the step's saves hold N blocks)
     event_log: str = ""
     #: the rule before the async-scheduling fix: a failed load taints only the
     #: step of the failure (later steps of that request, and requests that
@@ -115,6 +116,9 @@ class Faults:
     tiered_promote_torn: bool = False
     #: ``backend_fault`` hits only this tier of the tiered backend: "near" or "far"
     tiered_fault_tier: str = ""
+    #: the scheduler hands every admitted block to the workers whatever
+    #: ``save_budget_blocks`` says (a budget that is not enforced)
+    save_budget_ignored: bool = False
 
     @property
     def active(self) -> list[str]:

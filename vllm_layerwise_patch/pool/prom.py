@@ -94,6 +94,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("shared_load_timeouts", "counter", "shared_load_timeouts",
            "Requests that waited `share_loads_seconds` for another request's load and then "
            "loaded their own hit."),
+    Metric("blocks_not_admitted", "counter", "blocks_not_admitted",
+           "Computed blocks not saved because the admission rule (`admission: reused`) "
+           "did not admit them: their prefix was seen by fewer than two requests "
+           "(a later miss, never a wrong token; once per engine)."),
+    Metric("blocks_over_save_budget", "counter", "blocks_over_budget",
+           "Admitted blocks not saved because their scheduler step had already handed "
+           "`save_budget_blocks` blocks to the workers (once per engine)."),
     Metric("evictions", "counter", "evictions",
            "Block groups (one block's pages of one kind on one TP rank) evicted to make "
            "room for this engine's saves."),

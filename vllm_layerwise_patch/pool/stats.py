@@ -32,7 +32,7 @@ COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
             "near_save_failures", "far_save_failures",
             # the scheduler's: once per engine whatever the TP size
             "lookup_hit_tokens", "lookup_hit_blocks", "shared_load_waits",
-            "shared_load_timeouts")
+            "shared_load_timeouts", "blocks_not_admitted", "blocks_over_budget")
 #: figures per request, counted once per engine whatever the TP size (every
 #: rank loads and saves the same requests' blocks, each its own pages):
 #: "rank0" - only TP rank 0's worker reports it; "scheduler" - the scheduler
@@ -119,6 +119,8 @@ class PoolStats(KVConnectorStats):
             "Block objects given up (transfer failed twice)": int(d["put_skipped"]),
             "Blocks evicted": int(d["evictions"]),
             "Lookups waiting on a shared load": int(d["shared_load_waits"]),
+            "Blocks not admitted": int(d["blocks_not_admitted"]),
+            "Blocks over the save budget": int(d["blocks_over_budget"]),
         } | ({"Pages loaded from the near tier": int(d["near_pages_loaded"]),
               "Pages loaded from the far tier": int(d["far_pages_loaded"]),
               "Blocks promoted into the near tier": int(d["promoted_blocks"])}

@@ -39,6 +39,7 @@ from ..keys import ATTN, STATE, group_key
 from ..layout import PoolLayout
 from ..metadata import LoadSpec, PoolMetadata, load_groups
 from ..side import PoolSide, kv_roles
+from .admission import policy_of, within_budget
 from .failures import StepRecords, steps_in_flight
 from .inflight import InflightLoads
 from .lookup import PoolLookup
@@ -67,6 +68,8 @@ class PoolScheduler:
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, Tracked] = {}
         self.saves = SavePlanner(layout, self.hits, self.faults)
+        self.admission = policy_of(config, layout)  # which planned saves go on (.admission)
+        self.save_budget = 0 if self.faults.save_budget_ignored else config.save_budget_blocks
         self._report_errors: bool | None = None
         ktc, self.loads_on, self.saves_on = kv_roles(vllm_config)
         # vLLM plans step N+1 before it processes step N's output: a failed
@@ -88,7 +91,8 @@ class PoolScheduler:
                                        (self.loads_on, self.saves_on)]
                     + (", loads asynchronous" if self.load_async else "")
                     + "; async_scheduling=%s" % self.async_scheduling)
-        self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0, "load_failures": 0}
+        self.stats = {"lookups": 0, "query_tokens": 0, "hit_tokens": 0, "load_failures": 0,
+                      "not_admitted": 0, "over_budget": 0}
 
     def _pin_candidates(self, rid: str):
         """What :meth:`lookup` calls before it verifies a hit's entries: pin
@@ -150,6 +154,7 @@ class PoolScheduler:
         rid = request.request_id
         self._tracked.setdefault(rid, Tracked(request, [])).looked_up()
         self._pending.pop(rid, None)
+        self.admission.see(request)
         if rid in self._load_failed or not self.loads_on or not self._reads_cache(request):
             self.pins.release(rid)
             return 0, False
@@ -243,8 +248,14 @@ class PoolScheduler:
         try:
             if self.saves_on and self.ns is not None:
                 self.hits.note_generation()
+                for rid, _, _ in steps:  # blocks a decode completed: seen now
+                    self.admission.see(self._tracked[rid].request)
                 saves = self.saves.plan(steps, self._tracked, self.records.step,
                                         skip=self._retired)
+                saves, dropped = self.admission.filter(saves)
+                self.stats["not_admitted"] += dropped
+                saves, dropped = within_budget(saves, self.save_budget, self.layout.has_state)
+                self.stats["over_budget"] += dropped
         except Exception as exc:  # noqa: BLE001 - a missed save only costs a hit
             self.log.warning("save-plan-error", "vllm-layerwise-patch pool: planning saves "
                             "failed (%s: %s); this step's blocks are not stored (further "
@@ -330,6 +341,7 @@ class PoolScheduler:
         self._load_failed.discard(rid)
         self._retired.discard(rid)
         self.shared_loads.forget(rid)
+        self.admission.forget(rid)
         if rid in self._inflight:  # its load still reads the pool: keep the pins
             self._orphans.add(rid)
             return

@@ -3,7 +3,8 @@ scheduler's connector for stats after every step's output): the tokens and
 blocks its lookups served from the pool and the requests whose loads failed
 - counted once per engine, where the workers' counts would repeat on every
 TP rank -, the lookups that waited for another request's load of the same
-blocks (``inflight``), and the pool's fill (embedded backend), read at
+blocks (``inflight``), the blocks the admission rule and the save budget
+kept from the workers (``admission``), and the pool's fill (embedded backend), read at
 most once per ``interval`` seconds and sent only when it changed, so an idle
 pool adds nothing to vLLM's periodic log line."""
 
@@ -19,7 +20,8 @@ from ..stats import PoolStats
 #: running totals of the scheduler side sent as increments: name in the
 #: scheduler's counts -> counter in :class:`PoolStats`
 DELTAS = {"waits": "shared_load_waits", "timeouts": "shared_load_timeouts",
-          "load_failures": "load_failures"}
+          "load_failures": "load_failures",
+          "not_admitted": "blocks_not_admitted", "over_budget": "blocks_over_budget"}
 #: the tiered backend's counts of the scheduler's own reads (its lookups'
 #: verification promotes far-tier hits); the workers report their loads'
 _SCHEDULER_TIER = ("promoted_blocks", "promotions_dropped", "promotions_refused",

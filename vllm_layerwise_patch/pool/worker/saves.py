@@ -128,7 +128,9 @@ class WorkerSaves:
             self.saver.commit(markers, exclude=exclude, blocks=blocks_saved,
                               wait=not self.defer_last_save)
             if self.events is not None:  # the forward thread goes on from here
-                self.events.append(("committed", step))
+                n = len({a.hash for s in saves for a in s.attn}
+                        | {h for s in saves for h, _ in s.mamba})
+                self.events += [(f"blocks={n}", step), ("committed", step)]
 
     def flush_events(self) -> None:
         if self.events is None:
