@@ -99,7 +99,8 @@ def _print_info(doc: dict[str, Any]) -> None:
     from .pool.directory.holders import describe
 
     used, cap = doc["used_bytes"], doc["capacity_bytes"]
-    print(f"pool {doc['path']} (lmdb)")
+    n = doc.get("shards", 1)
+    print(f"pool {doc['path']} (lmdb" + (f", {n} shards)" if n > 1 else ")"))
     print(f"  capacity  {_size(cap)} (map size; data file {_size(doc['file_bytes'])})")
     print(f"  used      {_size(used)} in pages ({100 * used / cap if cap else 0:.1f} %), "
           f"{doc['entries']} entries")
