@@ -107,9 +107,10 @@ class Faults:
     #: a worker runs loads and saves whatever adapter copy it holds (the rule
     #: before the fix: the scheduler's digest of the files names the blocks)
     adapter_digest_at_lookup: bool = False
-    #: a sharded LMDB pool routes a key by its whole group (kind and TP rank
-    #: too), not by its block hash: one block's groups spread over shards
-    shard_by_group: bool = False
+    #: a sharded LMDB pool routes each key by the whole key, not by its block
+    #: hash: a block's groups, and a group's pages and commit marker, spread
+    #: over shards (and are evicted apart)
+    shard_by_key: bool = False
 
     @property
     def active(self) -> list[str]:

@@ -67,10 +67,10 @@ class ShardedLmdbBackend(Backend):
     # -- routing -------------------------------------------------------------------
     def _split(self, keys: Iterable[bytes]) -> dict[int, tuple[list[int], list[bytes]]]:
         """Per shard touched: the keys' indexes and the keys."""
-        by_group = faults().shard_by_group
+        by_key = faults().shard_by_key
         out: dict[int, tuple[list[int], list[bytes]]] = {}
         for i, k in enumerate(keys):
-            idx, ks = out.setdefault(shard_of(k, self.n, by_group), ([], []))
+            idx, ks = out.setdefault(shard_of(k, self.n, by_key), ([], []))
             idx.append(i)
             ks.append(k)
         return out

@@ -42,21 +42,21 @@ def shard_name(i: int) -> str:
     return f"shard-{i:02d}"
 
 
-def route(key: bytes, by_group: bool = False) -> bytes:
+def route(key: bytes, by_key: bool = False) -> bytes:
     """What a key is routed by: its block hash (the third ``/`` component;
-    the whole key when it has fewer).  ``by_group`` (the tests'
-    ``shard_by_group`` fault) routes by the whole group instead - kind and
-    rank too: a block then spreads over shards."""
+    the whole key when it has fewer).  ``by_key`` (the tests'
+    ``shard_by_key`` fault) routes by the whole key instead: a block's
+    groups, and a group's pages and marker, then spread over shards."""
     key = bytes(key)
-    if by_group:
-        return key.rpartition(b"/")[0] if key.count(b"/") >= 4 else key
+    if by_key:
+        return key
     parts = key.split(b"/", 3)
     return parts[2] if len(parts) > 2 else key
 
 
-def shard_of(key: bytes, n: int, by_group: bool = False) -> int:
+def shard_of(key: bytes, n: int, by_key: bool = False) -> int:
     """The shard of a key or group of a pool of ``n`` shards."""
-    return 0 if n <= 1 else zlib.crc32(route(key, by_group)) % n
+    return 0 if n <= 1 else zlib.crc32(route(key, by_key)) % n
 
 
 def shard_count(capacity: int, configured: int) -> int:
