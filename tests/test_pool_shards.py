@@ -288,3 +288,23 @@ def test_shards_default_and_range():
     assert PoolConfig.from_extra({}).shards == 8
     assert PoolConfig.from_extra({"shards": 1}).shards == 1
     assert PoolConfig.from_extra({"shards": 64}).shards == 64
+
+
+def test_the_connectors_opening_follows_the_shards_field(tmp_path):
+    from vllm_layerwise_patch.pool.backends.base import NoPool
+    from vllm_layerwise_patch.pool.opening import open_backend
+
+    be = open_backend(PoolConfig.from_extra({"path": str(tmp_path / "a"), "capacity": "64MiB"}))
+    assert isinstance(be, ShardedLmdbBackend) and be.n == 8
+    be.close()
+    one = open_backend(PoolConfig.from_extra({"path": str(tmp_path / "b"), "capacity": "64MiB",
+                                              "shards": 1}))
+    assert isinstance(one, LmdbBackend) and "data.mdb" in os.listdir(tmp_path / "b")
+    one.close()
+    # a record that is not a count: the pool is unusable, never guessed at
+    (tmp_path / "a" / "shards").write_text("eight\n")
+    bad = open_backend(PoolConfig.from_extra({"path": str(tmp_path / "a"), "capacity": "64MiB"}))
+    assert isinstance(bad, NoPool) and "does not record a shard count" in bad.why
+    with pytest.raises(PoolConfigError, match="does not record a shard count"):
+        open_backend(PoolConfig.from_extra({"path": str(tmp_path / "a"), "capacity": "64MiB",
+                                            "on_backend_unavailable": "fail"}))
