@@ -24,7 +24,7 @@ import stat
 
 from ..config import PREFIX, PoolConfigError
 from ..faults import faults
-from .security import (POOL_FILES, PRIVATE_MODES, SHARED_MODES, Verdict, group_id,
+from .security import (CHECKED_FILES, PRIVATE_MODES, SHARED_MODES, Verdict, group_id,
                        group_name, inspect, parent_dir_problems, parent_problems, refuse,
                        user_name)
 
@@ -211,7 +211,7 @@ def _pool_dir_in(parent_fd: int, parent: str, name: str, shared_group: str | Non
             os.fchmod(fd, dir_mode)
             st = os.fstat(fd)
         problems = inspect(st, shared_gid, "the pool path")
-        for name in POOL_FILES:  # nothing is created or read while any is wrong
+        for name in CHECKED_FILES:  # nothing is created or read while any is wrong
             fst = pool.existing(name)
             if fst is not None and not problems:
                 problems += inspect(fst, shared_gid, f"{name} in it", is_file=True)

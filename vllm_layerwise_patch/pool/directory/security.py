@@ -50,7 +50,9 @@ from ..config import PREFIX, PoolConfigError
 logger = logging.getLogger("vllm.layerwise_patch")
 
 #: files the LMDB backend keeps in the pool directory
-POOL_FILES = ("data.mdb", "lock.mdb", ".open.lock", "generation", "shards")
+POOL_FILES = ("data.mdb", "lock.mdb", ".open.lock", "generation")
+#: and the file a pool records its shard count in (.backends.lmdb.shards)
+CHECKED_FILES = POOL_FILES + ("shards",)
 PRIVATE_MODES, SHARED_MODES = (0o700, 0o600), (0o3770, 0o660)
 
 
@@ -198,7 +200,7 @@ _SHARD = re.compile(r"^shard-\d{2}$")
 
 def _file_problems(path: str, label: str, shared_gid: int | None) -> list[str]:
     problems = []
-    for name in POOL_FILES:
+    for name in CHECKED_FILES:
         try:
             fst = os.lstat(os.path.join(path, name))
         except FileNotFoundError:
