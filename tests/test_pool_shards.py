@@ -107,6 +107,7 @@ def test_stored_blocks_live_whole_in_one_shard(tmp_path, monkeypatch, by_key):
         assert all(len(s) == 1 and set(block_keys(h)) <= held[s.copy().pop()]
                    for h, s in zip(blocks, homes))
         assert len(set().union(*homes)) == 4  # every shard holds blocks
+        assert all(shard_of(k, 4) == i for i, keys in enumerate(held) for k in keys)
 
 
 @pytest.mark.parametrize("by_key", [False, True], ids=["block-hash", "control-by-key"])

@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 import threading
+from zlib import crc32
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -67,12 +68,20 @@ class ShardedLmdbBackend(Backend):
     # -- routing -------------------------------------------------------------------
     def _split(self, keys: Iterable[bytes]) -> dict[int, tuple[list[int], list[bytes]]]:
         """Per shard touched: the keys' indexes and the keys."""
-        by_key = faults().shard_by_key
+        keys = [bytes(k) for k in keys]
+        if faults().shard_by_key:
+            where = [shard_of(k, self.n, True) for k in keys]
+        else:  # (shards.shard_of inlined: a lookup splits every key of its hit)
+            where = []
+            for k in keys:
+                parts = k.split(b"/", 3)
+                where.append(crc32(parts[2] if len(parts) > 2 else k) % self.n)
         out: dict[int, tuple[list[int], list[bytes]]] = {}
-        for i, k in enumerate(keys):
-            idx, ks = out.setdefault(shard_of(k, self.n, by_key), ([], []))
-            idx.append(i)
-            ks.append(k)
+        for i, (s, k) in enumerate(zip(where, keys)):
+            if s not in out:
+                out[s] = ([], [])
+            out[s][0].append(i)
+            out[s][1].append(k)
         return out
 
     def _each(self, keys: Iterable[bytes], op: Callable[[LmdbBackend, list[bytes]], Any]) -> None:
