@@ -99,6 +99,10 @@ def decide(pool, capacity: int, configured: int) -> int:
     record); for a new pool, ``configured`` (within :func:`shard_count`),
     recorded now.  The caller holds the pool's open lock."""
     recorded = read_record(pool)
+    if recorded is not None and recorded > 1 and pool.existing("data.mdb") is not None:
+        logger.warning("vllm-layerwise-patch pool: %s holds a data.mdb beside its %d shards "
+                       "(a build before sharding opened it as one environment): its entries "
+                       "are never read here", pool.path, recorded)
     if recorded is not None:
         if recorded != configured and recorded != shard_count(capacity, configured):
             logger.warning("vllm-layerwise-patch pool: %s was created with %d shard(s); this "
