@@ -309,3 +309,42 @@ def test_the_connectors_opening_follows_the_shards_field(tmp_path):
     with pytest.raises(PoolConfigError, match="does not record a shard count"):
         open_backend(PoolConfig.from_extra({"path": str(tmp_path / "a"), "capacity": "64MiB",
                                             "on_backend_unavailable": "fail"}))
+
+
+def test_a_lookup_touches_only_the_shards_its_blocks_live_in(tmp_path):
+    # the scheduler's real lookup (markers, verification, pins) of a 3-block
+    # hit on an 8-shard pool: the shards holding none of its blocks see no call
+    import types
+
+    from vllm_layerwise_patch.pool.layout import PoolLayout
+    from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
+
+    be = open_shared(str(tmp_path / "pool"), 64 * MiB, shards=8)
+    layers = (("model.layers.0.x", "model.layers.1.x", "model.layers.2.x"),
+              ("model.layers.3.x",))
+    layout = PoolLayout(kinds=("state", "attn"), block_size=640, hash_block_size=640,
+                        group_layers=layers, page_bytes=100)
+    sched = PoolScheduler(vllm_config=types.SimpleNamespace(kv_transfer_config=None),
+                          layout=layout, backend=be, namespace=NS,
+                          config=PoolConfig.from_extra({"hit_cache_ttl": 0}))
+    hashes = [_hash(i) for i in (3, 4, 5)]
+    items = []
+    for h in hashes:
+        keys = [page_key(NS, STATE, h, 0, str(i)) for i in range(3)]
+        keys += [page_key(NS, ATTN, h, 0, "3"), marker_key(NS, STATE, h, 0),
+                 marker_key(NS, ATTN, h, 0)]
+        items += [(k, pack(NS, k, b"" if is_marker(k) else os.urandom(100))) for k in keys]
+    be.put_many(items)
+    for s in be.shards:
+        s.calls.clear()
+    homes = {shard_of(page_key(NS, ATTN, h, 0, "3"), 8) for h in hashes}
+    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=3 * 640 + 1, request_id="r",
+                                all_token_ids=[])
+    hit, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert hit == 3 * 640
+    touched = {i for i, s in enumerate(be.shards) if sum(s.calls.values())}
+    assert touched == homes and len(homes) < 8
+    assert all(be.shards[i].calls["exists"] >= 1 and be.shards[i].calls["read"] == 1
+               for i in homes)
+    sched.request_finished(req)
+    be.close()
