@@ -18,6 +18,8 @@ engines sharing it, and the medium under it - each curve from one run.
   time minus the same put alone (``writer_wait_ms``) and the time spent
   acquiring LMDB's write lock, measured around each write transaction's
   begin (``lock_wait_ms_per_put``);
+* ``shards``: the largest process count of ``--engines`` on one pool of 1,
+  2, 4, 8 and 16 shards and on a pool each (what the default count rests on);
 * ``medium``: save and load GB/s on /dev/shm and on a disk-backed directory
   (LMDB's default durability as the pool opens it: no fsync per commit);
 * ``hit_cache``: the scheduler's hit cache filled to its default size -
@@ -281,6 +283,23 @@ def engines_curve(tmp: str, seconds: float, counts: tuple[int, ...], shards: int
     return out
 
 
+def shards_curve(tmp: str, seconds: float, processes: int,
+                 counts: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[dict]:
+    """``processes`` saving at once on one pool of each shard count (the
+    default's choice), and on a pool each for the reference."""
+    cap = 2 << 30
+    sep = _concurrent([os.path.join(tmp, f"ref-{i}") for i in range(processes)],
+                      cap // processes, seconds)
+    out = []
+    for n in counts:
+        r = _concurrent([os.path.join(tmp, f"shards{n}")] * processes, cap, seconds, n)
+        out.append({"shards": n, **r,
+                    "save_ratio_to_separate": round(r["save_GBps_total"]
+                                                    / sep["save_GBps_total"], 2)})
+    out.append({"shards": "separate pools", **sep, "save_ratio_to_separate": 1.0})
+    return out
+
+
 def medium_curve(disk_dir: str, seconds: float) -> list[dict]:
     out = []
     for label, root in (("/dev/shm", "/dev/shm"), ("disk", disk_dir)):
@@ -393,6 +412,15 @@ def _summary(out_dir: str, doc: dict) -> None:
                          f"{o['lock_wait_ms_per_put']} / {o['lock_wait_p99_ms']} ms; "
                          f"{s['lock_wait_ms_per_put']} / {s['lock_wait_p99_ms']} ms |")
         lines.append("")
+    if doc.get("shards_curve"):
+        k = doc["shards_curve"][0]["processes"]
+        lines += [f"## Shards per pool ({k} processes saving at once, as above)", "",
+                  "| shards | GB/s saved | / separate pools | lock wait per put (mean / p99) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['shards']} | {r['save_GBps_total']} | {r['save_ratio_to_separate']} | "
+                  f"{r['lock_wait_ms_per_put']} / {r['lock_wait_p99_ms']} ms |"
+                  for r in doc["shards_curve"]]
+        lines.append("")
     if doc.get("medium"):
         lines += ["## Medium", "", "| pool directory | GB/s saved (= read) |", "|---|---|"]
         lines += [f"| {m['medium']} | {m['save_GBps_total']} |" for m in doc["medium"]]
@@ -411,7 +439,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "scale"))
     ap.add_argument("--quick", action="store_true", help="10^3 and 10^4 blocks, short runs")
     ap.add_argument("--disk-dir", default="/var/tmp", help="a disk-backed directory")
-    ap.add_argument("--curves", default="entries,engines,medium,hit_cache")
+    ap.add_argument("--curves", default="entries,engines,shards,medium,hit_cache")
     ap.add_argument("--engines", default="1,2,4", help="processes per point of the engines curve")
     ap.add_argument("--shards", type=int, default=PoolConfig.from_extra({}).shards,
                     help="shards of the sharded layout (engines curve)")
@@ -464,6 +492,13 @@ def main() -> None:
                       f"lock wait per put one pool {e['one_pool']['lock_wait_ms_per_put']} "
                       f"ms, sharded {e['sharded_pool']['lock_wait_ms_per_put']} ms",
                       flush=True)
+        if "shards" in curves:
+            k = max(int(k) for k in args.engines.split(","))
+            doc["shards_curve"] = shards_curve(tmp, seconds, k)
+            for r in doc["shards_curve"]:
+                print(f"{k} processes, {r['shards']} shards: save {r['save_GBps_total']} GB/s "
+                      f"({r['save_ratio_to_separate']} of separate pools), lock wait per put "
+                      f"{r['lock_wait_ms_per_put']} ms", flush=True)
         if "medium" in curves:
             doc["medium"] = medium_curve(args.disk_dir, seconds)
             for m in doc["medium"]:
