@@ -260,15 +260,32 @@ def _concurrent(paths: list[str], cap: int, seconds: float, shards: int = 1) -> 
 LAYOUTS = ("one_pool", "sharded_pool", "separate_pools")
 
 
-def engines_curve(tmp: str, seconds: float, counts: tuple[int, ...], shards: int) -> list[dict]:
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median save rate (its own figures, whole), with every
+    round's save rate beside it."""
+    pick = sorted(runs, key=lambda r: r["save_GBps_total"])[len(runs) // 2]
+    return {**pick, "rounds_save_GBps": [r["save_GBps_total"] for r in runs]}
+
+
+def engines_curve(tmp: str, seconds: float, counts: tuple[int, ...], shards: int,
+                  rounds: int = 1) -> list[dict]:
+    """Each point ``rounds`` times, the layouts and process counts in turn
+    within a round (the machine's noise falls on every layout alike); each
+    figure from the round of median save rate."""
     cap = 2 << 30
+    layouts = {"one_pool": lambda k: ([os.path.join(tmp, f"shared{k}")] * k, cap, 1),
+               "sharded_pool": lambda k: ([os.path.join(tmp, f"sharded{k}")] * k, cap, shards),
+               "separate_pools": lambda k: ([os.path.join(tmp, f"sep{k}-{i}")
+                                            for i in range(k)], cap // k, 1)}
+    raw: dict[tuple[int, str], list[dict]] = {}
+    for _ in range(rounds):
+        for k in counts:
+            for name, args in layouts.items():
+                paths, c, n = args(k)
+                raw.setdefault((k, name), []).append(_concurrent(paths, c, seconds, n))
     out = []
     for k in counts:
-        runs = {"one_pool": _concurrent([os.path.join(tmp, f"shared{k}")] * k, cap, seconds),
-                "sharded_pool": _concurrent([os.path.join(tmp, f"sharded{k}")] * k, cap,
-                                            seconds, shards),
-                "separate_pools": _concurrent([os.path.join(tmp, f"sep{k}-{i}")
-                                               for i in range(k)], cap // k, seconds)}
+        runs = {name: _median_run(raw[(k, name)]) for name in LAYOUTS}
         point = {"processes": k, **runs}
         for name in ("one_pool", "sharded_pool"):
             alone = out[0][name]["put_median_ms"] if out else runs[name]["put_median_ms"]
@@ -278,8 +295,6 @@ def engines_curve(tmp: str, seconds: float, counts: tuple[int, ...], shards: int
         point["save_ratio_to_separate"] = {
             name: round(runs[name]["save_GBps_total"] / sep, 2) for name in LAYOUTS}
         out.append(point)
-        for p in os.listdir(tmp):
-            shutil.rmtree(os.path.join(tmp, p), ignore_errors=True)
     return out
 
 
@@ -296,7 +311,7 @@ def shards_curve(tmp: str, seconds: float, processes: int,
         out.append({"shards": n, **r,
                     "save_ratio_to_separate": round(r["save_GBps_total"]
                                                     / sep["save_GBps_total"], 2)})
-    out.append({"shards": "separate pools", **sep, "save_ratio_to_separate": 1.0})
+    out.append({**sep, "shards": "separate pools", "save_ratio_to_separate": 1.0})
     return out
 
 
@@ -395,7 +410,9 @@ def _summary(out_dir: str, doc: dict) -> None:
         lines += ["## Engines per pool (160 KiB pages; each process saves 4 blocks, then "
                   "reads them back, in a loop)", "",
                   f"Three layouts in one run: one unsharded pool, one pool of {doc.get('shards')} "
-                  "shards, a pool per process. Writer wait: the put's median minus the same "
+                  "shards, a pool per process; every layout and process count in turn, "
+                  f"{len(doc['engines'][0]['one_pool'].get('rounds_save_GBps', [0]))} rounds, "
+                  "each figure from the round of median save rate. Writer wait: the put's median minus the same "
                   "layout's put alone (1 process); lock wait: time in LMDB's write-lock "
                   "acquisition per put, measured (mean; p99 of the worst process).", "",
                   "| processes | GB/s saved (= read): one pool / sharded / separate | sharded "
@@ -443,12 +460,14 @@ def main() -> None:
     ap.add_argument("--engines", default="1,2,4", help="processes per point of the engines curve")
     ap.add_argument("--shards", type=int, default=PoolConfig.from_extra({}).shards,
                     help="shards of the sharded layout (engines curve)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of the engines curve (each figure: the median round's)")
     ap.add_argument("--entries-shards", type=int, default=0,
                     help="also run the entries curve on pools of this many shards")
     args = ap.parse_args()
     curves = set(args.curves.split(","))
     sizes = (10**3, 10**4) if args.quick else (10**3, 10**4, 10**5, 10**6)
-    seconds = 2.0 if args.quick else 8.0
+    seconds = 2.0 if args.quick else 6.0
     doc: dict = {"shards": args.shards}
     tmp = tempfile.mkdtemp(prefix="vlp-bench-scale-", dir="/dev/shm")
     try:
@@ -481,7 +500,7 @@ def main() -> None:
                   doc["ratios_largest_to_smallest_sharded"])
         if "engines" in curves:
             counts = tuple(int(k) for k in args.engines.split(","))
-            doc["engines"] = engines_curve(tmp, seconds, counts, args.shards)
+            doc["engines"] = engines_curve(tmp, seconds, counts, args.shards, args.rounds)
             for e in doc["engines"]:
                 print(f"{e['processes']} processes: save GB/s one pool "
                       f"{e['one_pool']['save_GBps_total']}, sharded "
