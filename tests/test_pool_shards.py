@@ -348,3 +348,32 @@ def test_a_lookup_touches_only_the_shards_its_blocks_live_in(tmp_path):
                for i in homes)
     sched.request_finished(req)
     be.close()
+
+
+def test_engines_creating_a_pool_together_agree_on_its_shard_count(tmp_path):
+    # four processes open one new path at once, configured with 2, 4, 8 and
+    # 16 shards: the first to take the pool's open lock fixes the count, and
+    # every process routes by it
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "pool")
+    go = tmp_path / "go"
+    code = """
+import os, sys, time
+from vllm_layerwise_patch.pool.backends.lmdb.sharded import open_shared
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.001)
+be = open_shared(sys.argv[1], 256 << 20, int(sys.argv[2]))
+print(getattr(be, "n", 1))
+be.close()
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", code, path, str(n), str(go)],
+                              stdout=subprocess.PIPE, text=True) for n in (2, 4, 8, 16)]
+    go.touch()
+    counts = {int(p.communicate(timeout=120)[0].strip()) for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    recorded = int(open(os.path.join(path, "shards")).read())
+    assert counts == {recorded} and recorded in (2, 4, 8, 16)
+    assert sorted(n for n in os.listdir(path) if n.startswith("shard-")) == [
+        shard_name(i) for i in range(recorded)]
