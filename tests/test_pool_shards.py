@@ -28,7 +28,8 @@ from vllm_layerwise_patch.pool.backends.lmdb.shards import shard_name, shard_of
 from vllm_layerwise_patch.pool.config import PoolConfig, PoolConfigError
 from vllm_layerwise_patch.pool.directory.security import check_pool_path
 from vllm_layerwise_patch.pool.keys import (ATTN, STATE, draft_marker_key, draft_page_key,
-                                            group_of, is_marker, marker_key, page_key)
+                                            group_of, is_marker, marker_key,
+                                            namespace_key, page_key)
 
 NS = b"\x11" * 16
 MiB = 1 << 20
@@ -85,6 +86,9 @@ def test_a_blocks_keys_of_every_kind_and_rank_share_one_shard(n, by_key):
     for i in range(50):
         for k in block_keys(_hash(i)):
             assert shard_of(group_of(k), n) == shard_of(k, n)
+    for i in range(50):  # the namespace description too (`pool clear` removes its group)
+        meta = namespace_key(bytes([i]) * 16)
+        assert shard_of(group_of(meta), n) == shard_of(meta, n)
     # and the blocks spread over every shard
     assert {shard_of(page_key(NS, ATTN, _hash(i), 0, "0"), n) for i in range(200)} == set(range(n))
 
@@ -150,7 +154,9 @@ def test_pool_command_info_verify_clear_cover_every_shard(tmp_path):
     path = str(tmp_path / "pool")
     be = open_shared(path, 64 * MiB, shards=4)
     blocks = [_hash(i) for i in range(24)]
-    be.put_many([kv for h in blocks for kv in block_items(h)])
+    meta = namespace_key(NS)
+    be.put_many([kv for h in blocks for kv in block_items(h)]
+                + [(meta, pack(NS, meta, b'{"model": "m"}'))])
     be.close()
     held = shard_keys(path, 4)
     # damage one page in the last shard (LMDB directly, as a bad disk would)
@@ -178,7 +184,7 @@ def test_pool_command_info_verify_clear_cover_every_shard(tmp_path):
         cleared = admin.clear(pool)
         assert cleared["entries"] == total - len([k for k in held[3]
                                                   if group_of(k) == group_of(victim)])
-        assert admin.count_entries(pool) == 0
+        assert admin.count_entries(pool) == 0 and admin.info(pool)["namespaces"] == {}
     finally:
         pool.close()
     assert shard_keys(path, 4) == [set()] * 4

@@ -75,7 +75,8 @@ class ShardedLmdbBackend(Backend):
             where = []
             for k in keys:
                 parts = k.split(b"/", 3)
-                where.append(crc32(parts[2] if len(parts) > 2 else k) % self.n)
+                where.append(crc32(parts[2] if len(parts) > 3 else b"/".join(parts[:2]))
+                             % self.n)
         out: dict[int, tuple[list[int], list[bytes]]] = {}
         for i, (s, k) in enumerate(zip(where, keys)):
             if s not in out:

@@ -15,8 +15,8 @@ Routing: a key ``<ns>/<kind>/<block hash>/tp<r>/...`` (and its group
 N``: a block's groups of every kind (attention pages, boundary states,
 drafter pages) on every TP rank, and their commit markers, share one shard,
 so one block is stored in one write transaction and evicted as a whole.
-Other keys (the namespace description ``<ns>/meta/namespace``) route by
-their third component likewise.
+Other keys (the namespace description ``<ns>/meta/namespace``) route with
+their group, by their first two components.
 """
 
 from __future__ import annotations
@@ -43,15 +43,17 @@ def shard_name(i: int) -> str:
 
 
 def route(key: bytes, by_key: bool = False) -> bytes:
-    """What a key is routed by: its block hash (the third ``/`` component;
-    the whole key when it has fewer).  ``by_key`` (the tests'
+    """What a key is routed by: its block hash (the third ``/`` component of
+    a block's key or group, which have four or more); any other key and
+    its group by their first two components (``<ns>/meta/namespace`` and its
+    group ``<ns>/meta`` alike).  ``by_key`` (the tests'
     ``shard_by_key`` fault) routes by the whole key instead: a block's
     groups, and a group's pages and marker, then spread over shards."""
     key = bytes(key)
     if by_key:
         return key
     parts = key.split(b"/", 3)
-    return parts[2] if len(parts) > 2 else key
+    return parts[2] if len(parts) > 3 else b"/".join(parts[:2])
 
 
 def shard_of(key: bytes, n: int, by_key: bool = False) -> int:
