@@ -8,10 +8,18 @@ engines sharing it, and the medium under it - each curve from one run.
   lookup asks the backend and verifies every page) and warm, a save
   transaction of one block, one eviction round, and opening the pool
   (including LMDB's stale-reader check) - median and p99 per operation;
-* ``engines``: 1, 2 and 4 processes saving and loading 160 KiB pages at once
-  on one pool, against the same number of processes on separate pools:
-  aggregate and per-process GB/s, and the time each process waits for
-  LMDB's one writer (the put's wall time minus the same put alone);
+  with ``--entries-shards N`` the same curve again on sharded pools
+  (``entries_sharded``; its eviction round is one shard's);
+* ``engines``: 1, 2 and 4 processes saving and loading 160 KiB pages at once,
+  side by side in one run on three layouts: one unsharded pool (one LMDB
+  environment), one sharded pool (``--shards`` environments under one path,
+  the default layout) and a pool per process: aggregate and per-process
+  GB/s, and the time each process waits for a writer - both the put's wall
+  time minus the same put alone (``writer_wait_ms``) and the time spent
+  acquiring LMDB's write lock, measured around each write transaction's
+  begin (``lock_wait_ms_per_put``);
+* ``shards``: the largest process count of ``--engines`` on one pool of 1,
+  2, 4, 8 and 16 shards and on a pool each (what the default count rests on);
 * ``medium``: save and load GB/s on /dev/shm and on a disk-backed directory
   (LMDB's default durability as the pool opens it: no fsync per commit);
 * ``hit_cache``: the scheduler's hit cache filled to its default size -
@@ -37,8 +45,9 @@ import types
 
 import _results
 
-from vllm_layerwise_patch.pool.backends.base import pack
+from vllm_layerwise_patch.pool.backends.base import PoolFull, pack
 from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
+from vllm_layerwise_patch.pool.backends.lmdb.sharded import open_pool
 from vllm_layerwise_patch.pool.config import PoolConfig
 from vllm_layerwise_patch.pool.keys import ATTN, STATE, marker_key, page_key
 from vllm_layerwise_patch.pool.layout import PoolLayout
@@ -91,10 +100,11 @@ def _timed(fn, n: int) -> list[float]:
 class _Point:
     """One pre-filled pool of the entries curve."""
 
-    def __init__(self, n: int, tmp: str, reps: int) -> None:
-        self.n, self.path = n, os.path.join(tmp, f"n{n}")
-        self.cap = (64 << 20) + n * 3200  # about 2.5 KB per block of tiny pages: no eviction
-        self.be = LmdbBackend(self.path, self.cap, pin_seconds=0)
+    def __init__(self, n: int, tmp: str, reps: int, shards: int = 1) -> None:
+        self.n, self.path, self.shards = n, os.path.join(tmp, f"n{n}-s{shards}"), shards
+        # about 2.5 KB per block of tiny pages: no eviction (nor in any shard)
+        self.cap = ((64 << 20) + n * 3200) * (1 if shards == 1 else 2)
+        self.be = open_pool(self.path, self.cap, shards, pin_seconds=0)
         self.page = os.urandom(TINY)
         t0 = time.perf_counter()
         for start in range(0, n, 2000):  # steps of 2000 blocks, as engines save them
@@ -122,12 +132,13 @@ class _Point:
         self.be.put_many(self.saves[i])
 
     def open_once(self, i: int) -> None:
-        LmdbBackend(self.path, self.cap, pin_seconds=0).close()
+        open_pool(self.path, self.cap, self.shards, pin_seconds=0).close()
 
     def evict_round(self) -> None:
         # one round as a full pool of this many entries runs it: a tenth
-        # (the default evict_fraction) of what the pool holds
-        be = self.be
+        # (the default evict_fraction) of what the pool holds (a sharded
+        # pool: of what its first shard holds - a round is one shard's)
+        be = getattr(self.be, "shards", [self.be])[0]
         be.eviction.fraction = 0.1 * be.stats()["used_bytes"] / be.map_size
         t0 = time.perf_counter()
         freed = be.eviction.evict(1)
@@ -138,12 +149,12 @@ class _Point:
                                                          2)}
 
 
-def entries_curve(sizes: tuple[int, ...], tmp: str, reps: int) -> list[dict]:
+def entries_curve(sizes: tuple[int, ...], tmp: str, reps: int, shards: int = 1) -> list[dict]:
     """Every pool filled first, then each operation timed on the pools in
     turn (round robin), so the machine's noise falls on every size alike."""
     points = []
     for n in sizes:
-        points.append(_Point(n, tmp, reps))
+        points.append(_Point(n, tmp, reps, shards))
         print(f"filled {n:,} blocks in {points[-1].out['fill_s']} s", flush=True)
     ops = [("lookup_cold", lambda p, i: p.lookup("lookup_cold", i), reps),
            ("lookup_warm", lambda p, i: p.lookup("lookup_warm", i), reps),
@@ -171,62 +182,143 @@ def entries_curve(sizes: tuple[int, ...], tmp: str, reps: int) -> list[dict]:
 
 
 # -- engines and medium ---------------------------------------------------------------
-def _worker(path: str, cap: int, seconds: float, start: float, q) -> None:
-    be = LmdbBackend(path, cap, pin_seconds=0)
+class _TimedEnv:
+    """An LMDB environment whose write transactions' begin - the wait for
+    the environment's one writer - is timed into ``acc[0]``."""
+
+    def __init__(self, env, acc: list[float]) -> None:
+        self._env, self._acc = env, acc
+
+    def begin(self, *a, **kw):
+        t0 = time.perf_counter()
+        txn = self._env.begin(*a, **kw)
+        if kw.get("write"):
+            self._acc[0] += time.perf_counter() - t0
+        return txn
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+def _worker(path: str, cap: int, shards: int, seconds: float, start: float, q) -> None:
+    be = open_pool(path, cap, shards, pin_seconds=0)
+    lock_wait = [0.0]
+    for env_owner in getattr(be, "shards", [be]):
+        env_owner.env = _TimedEnv(env_owner.env, lock_wait)
     payload = os.urandom(PAGE)
     pid = os.getpid()
     while time.time() < start:
         time.sleep(0.001)
-    saved = loaded = 0
-    put_s = []
+    saved = loaded = skipped = 0
+    put_s, waits = [], []
     i = 0
     end = time.time() + seconds
     while time.time() < end:
         items = [kv for b in range(4) for kv in _block(_hash(pid * 10**6 + i * 4 + b),
                                                          payload)]
-        t0 = time.perf_counter()
-        be.put_many(items)
+        t0, w0 = time.perf_counter(), lock_wait[0]
+        try:
+            be.put_many(items)
+        except PoolFull:  # (an engine skips that save and counts it)
+            skipped += 1
+            i += 1
+            continue
         put_s.append(time.perf_counter() - t0)
+        waits.append(lock_wait[0] - w0)
         saved += sum(len(v) for _, v in items)
         got = [0]
         be.read_many([k for k, _ in items], lambda j, k, v: got.__setitem__(0, got[0] + len(v)))
         loaded += got[0]
         i += 1
     be.close()
+    put_s, waits = put_s or [0.0], waits or [0.0]
     q.put({"saved_bytes": saved, "loaded_bytes": loaded, "seconds": seconds,
-           "put_median_ms": statistics.median(put_s) * 1e3})
+           "put_median_ms": statistics.median(put_s) * 1e3, "skipped_puts": skipped,
+           "lock_wait_ms_per_put": statistics.fmean(waits) * 1e3,
+           "lock_wait_p99_ms": sorted(waits)[int(len(waits) * 0.99)] * 1e3})
 
 
-def _concurrent(paths: list[str], cap: int, seconds: float) -> dict:
+def _concurrent(paths: list[str], cap: int, seconds: float, shards: int = 1) -> dict:
     ctx = mp.get_context("fork")  # (the parent holds no LMDB environment open here)
     q = ctx.Queue()
     start = time.time() + 3.0  # every process opened its pool by then
-    procs = [ctx.Process(target=_worker, args=(p, cap, seconds, start, q)) for p in paths]
+    procs = [ctx.Process(target=_worker, args=(p, cap, shards, seconds, start, q))
+             for p in paths]
     for p in procs:
         p.start()
     res = [q.get(timeout=seconds + 120) for _ in procs]
     for p in procs:
         p.join()
+    for p in set(paths):
+        shutil.rmtree(p, ignore_errors=True)
     gb = 1e9
-    return {"processes": len(paths), "pools": len(set(paths)),
+    return {"processes": len(paths), "pools": len(set(paths)), "shards": shards,
             "save_GBps_total": round(sum(r["saved_bytes"] for r in res) / seconds / gb, 3),
             "load_GBps_total": round(sum(r["loaded_bytes"] for r in res) / seconds / gb, 3),
             "save_GBps_per_process": round(min(r["saved_bytes"] for r in res) / seconds / gb, 3),
-            "put_median_ms": round(statistics.median(r["put_median_ms"] for r in res), 2)}
+            "put_median_ms": round(statistics.median(r["put_median_ms"] for r in res), 2),
+            "skipped_puts": sum(r["skipped_puts"] for r in res),
+            "lock_wait_ms_per_put": round(statistics.fmean(
+                r["lock_wait_ms_per_put"] for r in res), 3),
+            "lock_wait_p99_ms": round(max(r["lock_wait_p99_ms"] for r in res), 3)}
 
 
-def engines_curve(tmp: str, seconds: float) -> list[dict]:
+#: the three layouts of the engines curve
+LAYOUTS = ("one_pool", "sharded_pool", "separate_pools")
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median save rate (its own figures, whole), with every
+    round's save rate beside it."""
+    pick = sorted(runs, key=lambda r: r["save_GBps_total"])[len(runs) // 2]
+    return {**pick, "rounds_save_GBps": [r["save_GBps_total"] for r in runs]}
+
+
+def engines_curve(tmp: str, seconds: float, counts: tuple[int, ...], shards: int,
+                  rounds: int = 1) -> list[dict]:
+    """Each point ``rounds`` times, the layouts and process counts in turn
+    within a round (the machine's noise falls on every layout alike); each
+    figure from the round of median save rate."""
     cap = 2 << 30
+    layouts = {"one_pool": lambda k: ([os.path.join(tmp, f"shared{k}")] * k, cap, 1),
+               "sharded_pool": lambda k: ([os.path.join(tmp, f"sharded{k}")] * k, cap, shards),
+               "separate_pools": lambda k: ([os.path.join(tmp, f"sep{k}-{i}")
+                                            for i in range(k)], cap // k, 1)}
+    raw: dict[tuple[int, str], list[dict]] = {}
+    for _ in range(rounds):
+        for k in counts:
+            for name, args in layouts.items():
+                paths, c, n = args(k)
+                raw.setdefault((k, name), []).append(_concurrent(paths, c, seconds, n))
     out = []
-    for k in (1, 2, 4):
-        shared = _concurrent([os.path.join(tmp, f"shared{k}")] * k, cap, seconds)
-        separate = _concurrent([os.path.join(tmp, f"sep{k}-{i}") for i in range(k)],
-                               cap // k, seconds)
-        alone = out[0]["one_pool"]["put_median_ms"] if out else shared["put_median_ms"]
-        out.append({"processes": k, "one_pool": shared, "separate_pools": separate,
-                    "writer_wait_ms": round(max(0.0, shared["put_median_ms"] - alone), 2)})
-        for p in os.listdir(tmp):
-            shutil.rmtree(os.path.join(tmp, p), ignore_errors=True)
+    for k in counts:
+        runs = {name: _median_run(raw[(k, name)]) for name in LAYOUTS}
+        point = {"processes": k, **runs}
+        for name in ("one_pool", "sharded_pool"):
+            alone = out[0][name]["put_median_ms"] if out else runs[name]["put_median_ms"]
+            key = "writer_wait_ms" if name == "one_pool" else "sharded_writer_wait_ms"
+            point[key] = round(max(0.0, runs[name]["put_median_ms"] - alone), 2)
+        sep = runs["separate_pools"]["save_GBps_total"]
+        point["save_ratio_to_separate"] = {
+            name: round(runs[name]["save_GBps_total"] / sep, 2) for name in LAYOUTS}
+        out.append(point)
+    return out
+
+
+def shards_curve(tmp: str, seconds: float, processes: int,
+                 counts: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[dict]:
+    """``processes`` saving at once on one pool of each shard count (the
+    default's choice), and on a pool each for the reference."""
+    cap = 2 << 30
+    sep = _concurrent([os.path.join(tmp, f"ref-{i}") for i in range(processes)],
+                      cap // processes, seconds)
+    out = []
+    for n in counts:
+        r = _concurrent([os.path.join(tmp, f"shards{n}")] * processes, cap, seconds, n)
+        out.append({"shards": n, **r,
+                    "save_ratio_to_separate": round(r["save_GBps_total"]
+                                                    / sep["save_GBps_total"], 2)})
+    out.append({**sep, "shards": "separate pools", "save_ratio_to_separate": 1.0})
     return out
 
 
@@ -275,6 +367,10 @@ def _plot(out_dir: str, doc: dict) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for op in ("lookup_cold", "lookup_warm", "save_block", "open"):
         ax.plot([p["blocks"] for p in pts], [p[op]["p99_us"] for p in pts], "o-", label=op)
+    if doc.get("entries_sharded"):
+        sp = doc["entries_sharded"]
+        ax.plot([p["blocks"] for p in sp], [p["lookup_cold"]["p99_us"] for p in sp], "s--",
+                label=f"lookup_cold, {doc.get('shards_entries')} shards")
     ax.set(xscale="log", yscale="log", xlabel="blocks in the pool", ylabel="p99 (µs)",
            title="LMDB pool: cost per operation vs entries")
     ax.legend()
@@ -283,7 +379,7 @@ def _plot(out_dir: str, doc: dict) -> None:
     if doc.get("engines"):
         fig, ax = plt.subplots(figsize=(6, 4))
         e = doc["engines"]
-        for kind in ("one_pool", "separate_pools"):
+        for kind in LAYOUTS:
             ax.plot([p["processes"] for p in e], [p[kind]["save_GBps_total"] for p in e],
                     "o-", label=f"save, {kind}")
             ax.plot([p["processes"] for p in e], [p[kind]["load_GBps_total"] for p in e],
@@ -300,11 +396,15 @@ def _summary(out_dir: str, doc: dict) -> None:
     lines = ["# How the LMDB pool's cost grows (benchmarks/bench_scale.py)", "",
              f"One run on {os.cpu_count()} CPUs (other work on the machine: read medians; "
              "p99s carry its noise).", ""]
-    if doc.get("entries"):
-        lines += ["## Entries", "", "| blocks (2 groups, 6 entries each) | lookup cold median / "
-                  "p99 (µs) | lookup warm | save of a block | open | eviction round "
+    for curve, title in (("entries", "Entries"),
+                         ("entries_sharded", f"Entries, sharded pool "
+                          f"({doc.get('shards')} shards; eviction: one shard's round)")):
+        if not doc.get(curve):
+            continue
+        lines += [f"## {title}", "", "| blocks (2 groups, 6 entries each) | lookup cold "
+                  "median / p99 (µs) | lookup warm | save of a block | open | eviction round "
                   "(a tenth of the pool) |", "|---|---|---|---|---|---|"]
-        for p in doc["entries"]:
+        for p in doc[curve]:
             e = p["evict_round"]
             lines.append(
                 f"| {p['blocks']:,} | " + " | ".join(
@@ -316,13 +416,35 @@ def _summary(out_dir: str, doc: dict) -> None:
     if doc.get("engines"):
         lines += ["## Engines per pool (160 KiB pages; each process saves 4 blocks, then "
                   "reads them back, in a loop)", "",
-                  "| processes | one pool: GB/s saved (= read) | separate pools | slowest "
-                  "process, one pool | writer wait per put |", "|---|---|---|---|---|"]
+                  f"Three layouts in one run: one unsharded pool, one pool of {doc.get('shards')} "
+                  "shards, a pool per process; every layout and process count in turn, "
+                  f"{len(doc['engines'][0]['one_pool'].get('rounds_save_GBps', [0]))} rounds, "
+                  "each figure from the round of median save rate. Writer wait: the put's median minus the same "
+                  "layout's put alone (1 process); lock wait: time in LMDB's write-lock "
+                  "acquisition per put, measured (mean; p99 of the worst process).", "",
+                  "| processes | GB/s saved (= read): one pool / sharded / separate | sharded "
+                  "/ separate | one pool / separate | slowest process: one pool / sharded | "
+                  "writer wait per put: one pool / sharded | lock wait per put (mean / p99): "
+                  "one pool / sharded |", "|---|---|---|---|---|---|---|"]
         for e in doc["engines"]:
-            lines.append(f"| {e['processes']} | {e['one_pool']['save_GBps_total']} | "
-                         f"{e['separate_pools']['save_GBps_total']} | "
-                         f"{e['one_pool']['save_GBps_per_process']} | "
-                         f"{e['writer_wait_ms']} ms |")
+            o, s, p = (e[k] for k in LAYOUTS)
+            r = e["save_ratio_to_separate"]
+            lines.append(f"| {e['processes']} | {o['save_GBps_total']} / {s['save_GBps_total']}"
+                         f" / {p['save_GBps_total']} | {r['sharded_pool']} | {r['one_pool']} | "
+                         f"{o['save_GBps_per_process']} / {s['save_GBps_per_process']} | "
+                         f"{e['writer_wait_ms']} / {e['sharded_writer_wait_ms']} ms | "
+                         f"{o['lock_wait_ms_per_put']} / {o['lock_wait_p99_ms']} ms; "
+                         f"{s['lock_wait_ms_per_put']} / {s['lock_wait_p99_ms']} ms |")
+        lines.append("")
+    if doc.get("shards_curve"):
+        k = doc["shards_curve"][0]["processes"]
+        lines += [f"## Shards per pool ({k} processes saving at once, as above)", "",
+                  "| shards | GB/s saved | / separate pools | lock wait per put (mean / p99) | "
+                  "puts skipped (pool full) |", "|---|---|---|---|---|"]
+        lines += [f"| {r['shards']} | {r['save_GBps_total']} | {r['save_ratio_to_separate']} | "
+                  f"{r['lock_wait_ms_per_put']} / {r['lock_wait_p99_ms']} ms | "
+                  f"{r['skipped_puts']} |"
+                  for r in doc["shards_curve"]]
         lines.append("")
     if doc.get("medium"):
         lines += ["## Medium", "", "| pool directory | GB/s saved (= read) |", "|---|---|"]
@@ -342,12 +464,19 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "scale"))
     ap.add_argument("--quick", action="store_true", help="10^3 and 10^4 blocks, short runs")
     ap.add_argument("--disk-dir", default="/var/tmp", help="a disk-backed directory")
-    ap.add_argument("--curves", default="entries,engines,medium,hit_cache")
+    ap.add_argument("--curves", default="entries,engines,shards,medium,hit_cache")
+    ap.add_argument("--engines", default="1,2,4", help="processes per point of the engines curve")
+    ap.add_argument("--shards", type=int, default=PoolConfig.from_extra({}).shards,
+                    help="shards of the sharded layout (engines curve)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of the engines curve (each figure: the median round's)")
+    ap.add_argument("--entries-shards", type=int, default=0,
+                    help="also run the entries curve on pools of this many shards")
     args = ap.parse_args()
     curves = set(args.curves.split(","))
     sizes = (10**3, 10**4) if args.quick else (10**3, 10**4, 10**5, 10**6)
-    seconds = 2.0 if args.quick else 8.0
-    doc: dict = {}
+    seconds = 2.0 if args.quick else 6.0
+    doc: dict = {"shards": args.shards}
     tmp = tempfile.mkdtemp(prefix="vlp-bench-scale-", dir="/dev/shm")
     try:
         if "entries" in curves:
@@ -366,14 +495,37 @@ def main() -> None:
                 for op in ("lookup_cold", "lookup_warm", "save_block", "open")
                 for q in ("median", "p99")}
             print("largest / smallest pool:", doc["ratios_largest_to_smallest"])
+        if "entries" in curves and args.entries_shards > 1:
+            doc["shards_entries"] = args.entries_shards
+            doc["entries_sharded"] = entries_curve(sizes, tmp, 200 if args.quick else 1000,
+                                                   args.entries_shards)
+            first, last = doc["entries_sharded"][0], doc["entries_sharded"][-1]
+            doc["ratios_largest_to_smallest_sharded"] = {
+                f"{op}_{q}": round(last[op][f"{q}_us"] / first[op][f"{q}_us"], 2)
+                for op in ("lookup_cold", "lookup_warm", "save_block", "open")
+                for q in ("median", "p99")}
+            print("sharded, largest / smallest pool:",
+                  doc["ratios_largest_to_smallest_sharded"])
         if "engines" in curves:
-            doc["engines"] = engines_curve(tmp, seconds)
+            counts = tuple(int(k) for k in args.engines.split(","))
+            doc["engines"] = engines_curve(tmp, seconds, counts, args.shards, args.rounds)
             for e in doc["engines"]:
-                print(f"{e['processes']} processes: one pool save "
-                      f"{e['one_pool']['save_GBps_total']} GB/s load "
-                      f"{e['one_pool']['load_GBps_total']} GB/s; separate pools save "
-                      f"{e['separate_pools']['save_GBps_total']} GB/s; writer wait "
-                      f"{e['writer_wait_ms']} ms per put", flush=True)
+                print(f"{e['processes']} processes: save GB/s one pool "
+                      f"{e['one_pool']['save_GBps_total']}, sharded "
+                      f"{e['sharded_pool']['save_GBps_total']}, separate "
+                      f"{e['separate_pools']['save_GBps_total']} (ratios to separate "
+                      f"{e['save_ratio_to_separate']}); writer wait one pool "
+                      f"{e['writer_wait_ms']} ms, sharded {e['sharded_writer_wait_ms']} ms; "
+                      f"lock wait per put one pool {e['one_pool']['lock_wait_ms_per_put']} "
+                      f"ms, sharded {e['sharded_pool']['lock_wait_ms_per_put']} ms",
+                      flush=True)
+        if "shards" in curves:
+            k = max(int(k) for k in args.engines.split(","))
+            doc["shards_curve"] = shards_curve(tmp, seconds, k)
+            for r in doc["shards_curve"]:
+                print(f"{k} processes, {r['shards']} shards: save {r['save_GBps_total']} GB/s "
+                      f"({r['save_ratio_to_separate']} of separate pools), lock wait per put "
+                      f"{r['lock_wait_ms_per_put']} ms", flush=True)
         if "medium" in curves:
             doc["medium"] = medium_curve(args.disk_dir, seconds)
             for m in doc["medium"]:

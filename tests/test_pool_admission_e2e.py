@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 
-import lmdb
 import pytest
 
 from vllm_layerwise_patch.pool.keys import is_marker
+from vllm_layerwise_patch.testing.raw_pool import raw_data
 from vllm_layerwise_patch.testing.engines import (engine_env, kv_metrics, run_engine, served,
                                                   toks)
 
@@ -42,13 +42,8 @@ def total(res, name):
 
 def markers(path):
     """Commit markers in the pool, by kind."""
-    env = lmdb.open(str(path), max_dbs=4, subdir=True, readonly=True, lock=False)
-    try:
-        db = env.open_db(b"data", create=False)
-        with env.begin(db=db) as txn:
-            keys = [bytes(k) for k, _ in txn.cursor() if is_marker(bytes(k))]
-    finally:
-        env.close()
+    with raw_data(str(path), write=False) as txn:  # every shard
+        keys = [bytes(k) for k, _ in txn.cursor() if is_marker(bytes(k))]
     return {kind: sum(f"/{kind}/".encode() in k for k in keys) for kind in ("attn", "state")}
 
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import shutil
 
-import lmdb
 import pytest
 
-from vllm_layerwise_patch.pool.backends.lmdb.files import DATABASES
 from vllm_layerwise_patch.testing.engines import engine_env, run_engine, served, toks
+from vllm_layerwise_patch.testing.raw_pool import raw_data
 
 pytestmark = pytest.mark.vllm
 
@@ -46,13 +45,8 @@ def engine(model_dir, cwd, prompts, pool=None, patches="1", **spec):
 
 def data(path) -> dict[bytes, bytes]:
     """Every value of the pool's data database, read directly."""
-    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=len(DATABASES))
-    try:
-        db = env.open_db(DATABASES[0], create=False)
-        with env.begin(db=db) as txn:
-            return {bytes(k): bytes(v) for k, v in txn.cursor()}
-    finally:
-        env.close()
+    with raw_data(str(path), write=False) as txn:  # (every shard of a sharded pool)
+        return dict(txn.cursor())
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +125,9 @@ def test_negative_control_the_old_rule_keeps_poisoned_pages(tiny_model_dir, work
 
 EVICT = """
 import sys
-from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
-be = LmdbBackend(sys.argv[1], 64 << 20)
-print("freed", be.eviction.evict(1 << 40))
+from vllm_layerwise_patch.pool.backends.lmdb.sharded import open_shared
+be = open_shared(sys.argv[1], 64 << 20, 8)  # as engines open it (every shard)
+print("freed", sum(s.eviction.evict(1 << 40) for s in getattr(be, "shards", [be])))
 """
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import re
 import shutil
 
-import lmdb
 import pytest
 
 from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE
+from vllm_layerwise_patch.testing.raw_pool import raw_data
 from vllm_layerwise_patch.testing.engines import (engine_env, kv_metrics, run_engine, served,
                                                   toks)
 
@@ -162,11 +162,8 @@ def test_patches_off_falls_back_to_the_bulk_path(tiny_model_dir, work, pool_a, b
 
 
 def _tamper(path, fn):
-    env = lmdb.open(str(path), max_dbs=4, subdir=True)
-    data = env.open_db(b"data")
-    with env.begin(write=True, db=data) as txn:
+    with raw_data(str(path)) as txn:  # (every shard of a sharded pool)
         fn(txn)
-    env.close()
 
 
 def test_corrupted_entries_are_detected_and_recomputed(tiny_model_dir, work, baseline):

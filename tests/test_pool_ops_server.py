@@ -21,12 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-import lmdb
 import pytest
 
 from vllm_layerwise_patch.mooncake_local import free_port
 from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE
 from vllm_layerwise_patch.testing import tiny_prompt
+from vllm_layerwise_patch.testing.raw_pool import raw_data
 from vllm_layerwise_patch.testing.server import VllmServer
 
 pytestmark = pytest.mark.vllm
@@ -151,15 +151,12 @@ def test_pool_info_verify_clear_on_the_pool_the_server_wrote(served, tiny_model_
     assert f"namespace {ns}" in text and f"model {tiny_model_dir}" in text
 
     # damage one attention page: verify finds it, --drop removes its block
-    env = lmdb.open(path, max_dbs=4, subdir=True)
-    data = env.open_db(b"data")
-    with env.begin(write=True, db=data) as txn:
+    with raw_data(path) as txn:  # (every shard of a sharded pool)
         page = next(bytes(k) for k, _ in txn.cursor() if b"/attn/" in bytes(k)
                     and b"/L" in bytes(k))
         v = bytearray(txn.get(page))
         v[HEADER_SIZE + 100] ^= 0xFF
         txn.put(page, bytes(v))
-    env.close()
     group = page.rpartition(b"/")[0].decode()
     found = pool_cmd("verify", path)
     assert found.returncode == 1 and "1 damaged group(s)" in found.stdout

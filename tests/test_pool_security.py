@@ -24,6 +24,7 @@ from conftest import clean_env, run_py
 from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.config import PoolConfigError
 from vllm_layerwise_patch.testing.engines import run_engine, toks
+from vllm_layerwise_patch.testing.raw_pool import environments
 
 SHARED = "users"  # a group every Debian machine has
 FILES = ("data.mdb", "lock.mdb", ".open.lock", "generation")
@@ -262,7 +263,12 @@ def test_engine_creates_a_private_pool_under_umask_0(tiny_model_dir, work):
     res = run_engine({"model": str(tiny_model_dir), "prompts": [P], "umask": 0,
                       "pool": {"path": path, "capacity": "64MiB"}}, cwd=str(work))
     assert res["error"] is None, res["error"]
-    assert modes(path) == expected(0o700, 0o600)
+    envs = environments(path)  # (a sharded pool: each shard's directory and files)
+    for d in envs:
+        assert modes(d) == expected(0o700, 0o600)
+    if len(envs) > 1:
+        assert {n: mode(os.path.join(path, n)) for n in (".", "shards", ".open.lock")} == {
+            ".": 0o700, "shards": 0o600, ".open.lock": 0o600}
 
 
 @pytest.mark.vllm

@@ -101,8 +101,10 @@ def _print_info(doc: dict[str, Any]) -> None:
     from .pool.directory.holders import describe
 
     used, cap = doc["used_bytes"], doc["capacity_bytes"]
-    print(f"pool {doc['path']} (lmdb)" if "far" not in doc else
-          f"pool {doc['path']} (tiered: this lmdb pool is the near tier)")
+    n = doc.get("shards", 1)
+    shards = f", {n} shards" if n > 1 else ""
+    print(f"pool {doc['path']} (lmdb{shards})" if "far" not in doc else
+          f"pool {doc['path']} (tiered: this lmdb pool{shards} is the near tier)")
     if "far" in doc:
         far = doc["far"]
         print(f"  far tier  Mooncake master {far['master_address']} ("

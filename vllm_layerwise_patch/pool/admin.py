@@ -2,7 +2,8 @@
 check every entry, empty it.  The command line is ``..pool_cli``.
 
 The pool is opened as engines open it (same directory checks, LMDB's
-multi-process locking), never created and never grown; reads go in short
+multi-process locking, every shard of a sharded pool), never created and
+never grown; reads go in short
 transactions of at most :data:`BATCH` entries, so a running engine's writes
 and evictions are not held back by a long-lived reader.  Removals go through
 the backend (``delete_groups``), which moves the pool's generation: the
@@ -19,6 +20,7 @@ from typing import Any
 from .backends.base import CorruptEntry, unpack
 from .backends.lmdb.backend import _GROUP, LmdbBackend
 from .backends.lmdb.fill import lmdb_fill
+from .backends.lmdb.shards import RECORD
 from .directory.security import check_pool_path
 from .keys import group_of, is_marker
 
@@ -43,15 +45,26 @@ def file_size(path: str) -> int:
     return os.stat(data_file(path), follow_symlinks=False).st_size
 
 
-def open_pool(path: str, shared_group: str | None = None) -> LmdbBackend:
-    """The existing pool at ``path`` (AdminError when there is none, or when
-    its directory fails the checks engines apply)."""
-    if not os.path.exists(data_file(path)):
-        raise AdminError(f"no pool at {path} (no data.mdb there)")
+def open_pool(path: str, shared_group: str | None = None) -> Any:
+    """The existing pool at ``path``, every shard of it (AdminError when
+    there is none, or when its directory fails the checks engines apply)."""
+    if not os.path.exists(data_file(path)) and not os.path.exists(os.path.join(path, RECORD)):
+        raise AdminError(f"no pool at {path} (no data.mdb or {RECORD} there)")
     verdict = check_pool_path(path, shared_group)
     if not verdict.ok:
         raise AdminError(f"refusing the pool at {verdict.summary()}")
-    return LmdbBackend(path, file_size(path), preallocate=False, shared_group=shared_group)
+    from .backends.base import BackendError
+    from .backends.lmdb.sharded import open_existing
+
+    try:
+        return open_existing(path, shared_group, file_size)
+    except (BackendError, FileNotFoundError) as exc:
+        raise AdminError(f"the pool at {path} cannot be opened: {exc}") from None
+
+
+def shards(backend: Any) -> list[LmdbBackend]:
+    """The pool's LMDB environments: a sharded pool's shards, else itself."""
+    return list(getattr(backend, "shards", [backend]))
 
 
 def _namespace(key: bytes) -> str:
@@ -82,13 +95,21 @@ def _scan(backend: LmdbBackend, db: Any, prefix: bytes = b"",
         start = batch[-1][0] + b"\0"  # the next key after the last one read
 
 
-def info(backend: LmdbBackend) -> dict[str, Any]:
-    """The pool's fill and, per namespace: its description, entries, blocks,
-    bytes, TP ranks and oldest/newest access."""
-    out: dict[str, Any] = {"backend": "lmdb", "path": backend.path,
-                           "file_bytes": file_size(backend.path),
-                           **lmdb_fill(backend.env, [backend.data, backend.groups, backend.lru,
-                                                     backend.pins], backend.data)}
+def _fill(part: LmdbBackend) -> dict[str, int]:
+    return {"file_bytes": file_size(part.path),
+            **lmdb_fill(part.env, [part.data, part.groups, part.lru, part.pins], part.data)}
+
+
+def info(backend: Any) -> dict[str, Any]:
+    """The pool's fill (every shard's, summed, and each shard's) and, per
+    namespace: its description, entries, blocks, bytes, TP ranks and
+    oldest/newest access."""
+    envs = shards(backend)
+    fills = [_fill(p) for p in envs]
+    out: dict[str, Any] = {"backend": "lmdb", "path": backend.path, "shards": len(envs),
+                           **{k: sum(f[k] for f in fills) for k in fills[0]}}
+    if len(envs) > 1:
+        out["per_shard"] = [{"path": p.path, **f} for p, f in zip(envs, fills)]
     spaces: dict[str, dict[str, Any]] = {}
 
     def space(ns: str) -> dict[str, Any]:
@@ -96,7 +117,7 @@ def info(backend: LmdbBackend) -> dict[str, Any]:
                                       "groups": {}, "blocks": set(), "ranks": set(),
                                       "oldest_access": None, "newest_access": None})
 
-    for key, value in _scan(backend, backend.groups):
+    for key, value in (kv for p in envs for kv in _scan(p, p.groups)):
         ns, _, rest = key.partition(b"/")
         s = space(ns.decode(errors="replace"))
         last, size = _GROUP.unpack(value)
@@ -110,7 +131,7 @@ def info(backend: LmdbBackend) -> dict[str, Any]:
         if kind != "meta":
             s["oldest_access"] = min(last, s["oldest_access"] or last)
             s["newest_access"] = max(last, s["newest_access"] or last)
-    for key, _ in _scan(backend, backend.data, values=False):
+    for key, _ in (kv for p in envs for kv in _scan(p, p.data, values=False)):
         s = space(_namespace(key))
         s["entries"] += 1
         if is_marker(key):
@@ -147,14 +168,14 @@ def summary(description: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def verify(backend: LmdbBackend, drop: bool = False,
+def verify(backend: Any, drop: bool = False,
            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Read every entry and check its header, length, namespace, key (the
     digest in its header: a value stored under another key) and checksum.
     Returns the damaged groups (a group: one block's pages of one kind on
     one rank and their marker) with why; ``drop`` removes them."""
     checked, damaged = 0, {}
-    for key, value in _scan(backend, backend.data):
+    for key, value in (kv for p in shards(backend) for kv in _scan(p, p.data)):
         checked += 1
         try:
             unpack(key, value, bytes.fromhex(_namespace(key)))
@@ -172,17 +193,21 @@ def verify(backend: LmdbBackend, drop: bool = False,
             "damaged": {g.decode(errors="replace"): v for g, v in sorted(damaged.items())}}
 
 
-def count_entries(backend: LmdbBackend) -> int:
-    with backend.env.begin() as txn:
-        return txn.stat(backend.data)["entries"]
+def count_entries(backend: Any) -> int:
+    n = 0
+    for p in shards(backend):
+        with p.env.begin() as txn:
+            n += txn.stat(p.data)["entries"]
+    return n
 
 
-def clear(backend: LmdbBackend, namespace: str | None = None) -> dict[str, Any]:
+def clear(backend: Any, namespace: str | None = None) -> dict[str, Any]:
     """Remove every entry (or those of one namespace: its full hex name or a
     unique prefix of it).  Returns what was removed."""
     prefix = b""
     if namespace:
-        known = {_namespace(k) for k, _ in _scan(backend, backend.groups, values=False)}
+        known = {_namespace(k) for p in shards(backend)
+                 for k, _ in _scan(p, p.groups, values=False)}
         matches = sorted(ns for ns in known if ns.startswith(namespace))
         if len(matches) != 1:
             raise AdminError(f"namespace {namespace!r}: " + (
@@ -191,11 +216,11 @@ def clear(backend: LmdbBackend, namespace: str | None = None) -> dict[str, Any]:
         namespace = matches[0]
         prefix = namespace.encode() + b"/"
     before = count_entries(backend)
-    groups = [k for k, _ in _scan(backend, backend.groups, prefix, values=False)]
+    groups = [k for p in shards(backend) for k, _ in _scan(p, p.groups, prefix, values=False)]
     for i in range(0, len(groups), 1024):
         backend.delete_groups(groups[i:i + 1024])
     # entries without a group record (none are written so; kept out anyway)
-    stray = [k for k, _ in _scan(backend, backend.data, prefix, values=False)]
+    stray = [k for p in shards(backend) for k, _ in _scan(p, p.data, prefix, values=False)]
     if stray:
         backend.delete(stray)
     return {"namespace": namespace, "groups": len(groups),

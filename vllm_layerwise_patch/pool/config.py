@@ -216,6 +216,16 @@ class PoolConfig(BaseModel):
                     "take it) and write values straight into the mapped file (LMDB "
                     "writemap: the write costs ~1.1x a memcpy instead of ~4.9x on tmpfs); false: the file grows "
                     "as it fills, LMDB's default write path")
+    shards: int = Field(
+        default=8, ge=1, le=64,
+        description="lmdb: LMDB environments (shards) a new pool is created with, each "
+                    "with its own writer, eviction and `capacity / shards` bytes (a shard "
+                    "holds at least 8 MiB: fewer for a small capacity); a block's entries "
+                    "of every kind and TP rank live in one shard (chosen by its block "
+                    "hash), so engines saving different blocks do not wait on one writer. "
+                    "The count is recorded in the pool when it is created and every engine "
+                    "follows the pool's (logged when it differs); a pool written before "
+                    "sharding opens as one environment. `1`: one environment")
     prefetch_layers: int = Field(default=2, ge=1, le=64,
                                  description="layers loaded ahead of compute")
     load_threads: int = Field(default=2, ge=1, le=32, description="load threads per worker")

@@ -119,6 +119,10 @@ class Faults:
     #: the scheduler hands every admitted block to the workers whatever
     #: ``save_budget_blocks`` says (a budget that is not enforced)
     save_budget_ignored: bool = False
+    #: a sharded LMDB pool routes each key by the whole key, not by its block
+    #: hash: a block's groups, and a group's pages and commit marker, spread
+    #: over shards (and are evicted apart)
+    shard_by_key: bool = False
 
     @property
     def active(self) -> list[str]:

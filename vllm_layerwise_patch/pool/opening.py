@@ -75,10 +75,10 @@ def _open_lmdb(config: PoolConfig):
             "kv_connector_extra_config.backend: 'lmdb' needs the lmdb package: "
             "pip install 'vllm-layerwise-patch[pool]'") from exc
     from .backends.base import PoolUnusable
-    from .backends.lmdb.backend import open_shared
+    from .backends.lmdb.sharded import open_shared
 
     kw = {"pin_seconds": config.pin_seconds, "shared_group": config.shared_group,
-          "preallocate": config.preallocate}
+          "preallocate": config.preallocate, "shards": config.shards}
     try:
         if config.path is not None:  # configured: used as it is, or refused
             return open_shared(config.path, config.capacity, **kw)

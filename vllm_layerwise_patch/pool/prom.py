@@ -124,12 +124,13 @@ METRICS: tuple[Metric, ...] = (
            "down, the store full); the near tier keeps what it took - a save neither "
            "tier took is a failed save."),
     Metric("used_bytes", "gauge", "pool_used_bytes",
-           "Bytes of pool pages in use, every engine's entries (embedded LMDB backend; "
-           "read while the engine runs steps)."),
+           "Bytes of pool pages in use, every engine's entries (embedded LMDB backend, "
+           "every shard's summed; read while the engine runs steps)."),
     Metric("capacity_bytes", "gauge", "pool_capacity_bytes",
-           "The pool's capacity: its LMDB map size (embedded backend)."),
+           "The pool's capacity: its LMDB map size (embedded backend; a sharded pool's "
+           "shards' map sizes summed)."),
     Metric("entries", "gauge", "pool_entries",
-           "Entries (pages, commit markers) in the pool (embedded backend)."),
+           "Entries (pages, commit markers) in the pool (embedded backend, every shard)."),
 )
 
 

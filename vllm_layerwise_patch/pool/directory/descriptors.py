@@ -24,7 +24,7 @@ import stat
 
 from ..config import PREFIX, PoolConfigError
 from ..faults import faults
-from .security import (POOL_FILES, PRIVATE_MODES, SHARED_MODES, Verdict, group_id,
+from .security import (CHECKED_FILES, PRIVATE_MODES, SHARED_MODES, Verdict, group_id,
                        group_name, inspect, parent_dir_problems, parent_problems, refuse,
                        user_name)
 
@@ -168,27 +168,41 @@ def open_pool_dir(path: str, shared_group: str | None = None) -> PoolDir:
     _make_parents(path)
     # ... and again as they are now, through the descriptor the pool is made in
     parent_fd, parent = _open_parent(path, shared_group)
-    name = os.path.basename(os.path.abspath(path))
-    path = os.path.join(parent, name)
-    dir_mode = (SHARED_MODES if shared_gid is not None else PRIVATE_MODES)[0]
     try:
-        try:  # (its group and mode are set below, on the descriptor)
-            os.mkdir(name, 0o700, dir_fd=parent_fd)
-            created = True
-        except FileExistsError:
-            created = False
-        try:
-            fd = os.open(name, _DIR, dir_fd=parent_fd)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-                what = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else
-                        "is not a directory")
-                raise refuse(Verdict.of(path, st, [f"the pool path {what}"]),
-                             shared_group) from None
-            raise
+        return _pool_dir_in(parent_fd, parent, os.path.basename(os.path.abspath(path)),
+                            shared_group, shared_gid)
     finally:
         os.close(parent_fd)
+
+
+def open_pool_subdir(pool: PoolDir, name: str) -> PoolDir:
+    """A directory inside the (open, checked) pool directory, created and
+    checked by the pool directory's rules through its descriptor: a shard of
+    a sharded pool (:mod:`..backends.lmdb.sharded`)."""
+    return _pool_dir_in(pool.fd, pool.path, name, pool.shared_group, pool.shared_gid)
+
+
+def _pool_dir_in(parent_fd: int, parent: str, name: str, shared_group: str | None,
+                 shared_gid: int | None) -> PoolDir:
+    """The pool directory ``name`` made (when absent) and opened in the
+    directory ``parent_fd``, checked with its files."""
+    path = os.path.join(parent, name)
+    dir_mode = (SHARED_MODES if shared_gid is not None else PRIVATE_MODES)[0]
+    try:  # (its group and mode are set below, on the descriptor)
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+        created = True
+    except FileExistsError:
+        created = False
+    try:
+        fd = os.open(name, _DIR, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            what = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else
+                    "is not a directory")
+            raise refuse(Verdict.of(path, st, [f"the pool path {what}"]),
+                         shared_group) from None
+        raise
     pool = PoolDir(path, fd, shared_group)
     try:
         st = os.fstat(fd)
@@ -197,7 +211,7 @@ def open_pool_dir(path: str, shared_group: str | None = None) -> PoolDir:
             os.fchmod(fd, dir_mode)
             st = os.fstat(fd)
         problems = inspect(st, shared_gid, "the pool path")
-        for name in POOL_FILES:  # nothing is created or read while any is wrong
+        for name in CHECKED_FILES:  # nothing is created or read while any is wrong
             fst = pool.existing(name)
             if fst is not None and not problems:
                 problems += inspect(fst, shared_gid, f"{name} in it", is_file=True)

@@ -42,6 +42,7 @@ import grp
 import logging
 import os
 import pwd
+import re
 import stat
 
 from ..config import PREFIX, PoolConfigError
@@ -50,6 +51,8 @@ logger = logging.getLogger("vllm.layerwise_patch")
 
 #: files the LMDB backend keeps in the pool directory
 POOL_FILES = ("data.mdb", "lock.mdb", ".open.lock", "generation")
+#: and the file a pool records its shard count in (.backends.lmdb.shards)
+CHECKED_FILES = POOL_FILES + ("shards",)
 PRIVATE_MODES, SHARED_MODES = (0o700, 0o600), (0o3770, 0o660)
 
 
@@ -181,13 +184,29 @@ def check_pool_path(path: str, shared_group: str | None = None) -> Verdict:
     if not problems and not stat.S_ISDIR(st.st_mode):
         problems.append("the pool path is not a directory")
     if not problems:
-        for name in POOL_FILES:
-            try:
-                fst = os.lstat(os.path.join(path, name))
-            except FileNotFoundError:
-                continue
-            problems += inspect(fst, shared_gid, f"{name} in it", is_file=True)
+        problems += _file_problems(path, "", shared_gid)
+    if not problems:  # a sharded pool's shards (.backends.lmdb.shards), by the same rules
+        for name in sorted(os.listdir(path)):
+            if _SHARD.match(name):
+                sub = os.path.join(path, name)
+                problems += inspect(os.lstat(sub), shared_gid, f"{name} in it")
+                if not problems and os.path.isdir(sub):
+                    problems += _file_problems(sub, f"{name}/", shared_gid)
     return Verdict.of(path, st, problems)
+
+
+_SHARD = re.compile(r"^shard-\d{2}$")
+
+
+def _file_problems(path: str, label: str, shared_gid: int | None) -> list[str]:
+    problems = []
+    for name in CHECKED_FILES:
+        try:
+            fst = os.lstat(os.path.join(path, name))
+        except FileNotFoundError:
+            continue
+        problems += inspect(fst, shared_gid, f"{label}{name} in it", is_file=True)
+    return problems
 
 
 def refuse(v: Verdict, shared_group: str | None) -> UnsafePoolPath:

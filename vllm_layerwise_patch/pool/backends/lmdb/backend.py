@@ -46,30 +46,16 @@ logger = logging.getLogger("vllm.layerwise_patch")
 _PIN_SEP = b"\0"  # pins: group NUL owner -> expiry (one pin per pending load)
 
 
-_SHARED: dict[tuple[int, str], LmdbBackend] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def open_shared(path: str, capacity_bytes: int, **kw) -> LmdbBackend:
-    """One environment per path per process (LMDB refuses a second open; the
-    scheduler and worker connectors share a process when vLLM runs in-process)."""
-    key = (os.getpid(), os.path.realpath(path))
-    with _SHARED_LOCK:
-        backend = _SHARED.get(key)
-        if backend is None or backend.closed:
-            backend = _SHARED[key] = LmdbBackend(path, capacity_bytes, **kw)
-        backend.refs += 1
-        return backend
-
-
 class LmdbBackend(Backend):
     def __init__(self, path: str, capacity_bytes: int, *, evict_fraction: float = 0.1,
                  pin_seconds: float = 30.0, shared_group: str | None = None,
-                 preallocate: bool = True) -> None:
+                 preallocate: bool = True, pool_dir=None) -> None:
+        """``pool_dir``: the pool directory already open and checked (a
+        shard's: :mod:`.sharded`), closed with the backend."""
         self.path, self.capacity = path, int(capacity_bytes)
         self.pin_seconds = pin_seconds
         self.env, dbs, self._gen, self.writemap, self._files = open_environment(
-            path, self.capacity, shared_group, preallocate)
+            path, self.capacity, shared_group, preallocate, pool_dir)
         self.path = self._files.path  # (the directories above it resolved)
         self.data, self.groups, self.lru, self.pins = dbs  # lmdb.files.DATABASES
         # with writemap, a write the file cannot back is a SIGBUS: refuse them

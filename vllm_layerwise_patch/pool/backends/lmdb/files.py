@@ -32,6 +32,7 @@ from ...config import PREFIX, PoolConfigError
 from ...directory.descriptors import PoolDir, open_pool_dir
 from ..base import PoolUnusable
 from ..generation import GenerationFile
+from .shards import read_record
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
@@ -54,13 +55,15 @@ class PoolFiles:
         self.dir.close()
 
 
-def check_space(pool: PoolDir, capacity: int) -> None:
+def check_space(pool: PoolDir, capacity: int, used: int | None = None) -> None:
     """The filesystem under the pool must be able to hold ``capacity`` bytes
-    (what the pool already occupies counts as available)."""
+    (what the pool already occupies, ``used`` or its data file, counts as
+    available)."""
     st = os.fstatvfs(pool.fd)
     free = st.f_bavail * st.f_frsize
-    data = pool.existing("data.mdb")
-    used = data.st_blocks * 512 if data is not None else 0
+    if used is None:
+        data = pool.existing("data.mdb")
+        used = data.st_blocks * 512 if data is not None else 0
     if free + used < capacity:
         raise PoolConfigError(
             f"{PREFIX}.capacity: {capacity} bytes do not fit the filesystem of "
@@ -164,16 +167,25 @@ def _check_ours(env: Any, data: str) -> None:
 
 
 def open_environment(path: str, capacity: int, shared_group: str | None,
-                     preallocate: bool) -> tuple[Any, list, GenerationFile, bool, PoolFiles]:
+                     preallocate: bool, pool_dir: PoolDir | None = None
+                     ) -> tuple[Any, list, GenerationFile, bool, PoolFiles]:
     """The pool's LMDB environment, the handles of its :data:`DATABASES`, its
     generation file, whether it writes through ``writemap``, and its open
     files: the directory prepared and checked before anything is read, the
     filesystem's room checked, the data file preallocated (then reopened
     with ``writemap``).  Processes starting together (engine core and
-    workers) take a lock so they do not race to create the environment."""
-    pool = open_pool_dir(path, shared_group)  # before anything is read
+    workers) take a lock so they do not race to create the environment.
+    ``pool_dir``: the directory, already open and checked (a shard's, which
+    is then the backend's to close).  A directory that records several
+    shards (:mod:`.shards`) is a sharded pool's top: refused."""
+    pool = pool_dir or open_pool_dir(path, shared_group)  # before anything is read
     fds: list[int] = []  # .open.lock (its flock goes with it), data, lock
     try:
+        recorded = read_record(pool)
+        if recorded is not None and recorded > 1:
+            raise PoolUnusable(f"{pool.path} is a sharded pool ({recorded} shards): it is "
+                               "opened as a whole (kv_connector_extra_config.path, or the "
+                               "pool command), not as one LMDB environment")
         check_space(pool, capacity)
         fds.append(pool.open(".open.lock"))
         fcntl.flock(fds[0], fcntl.LOCK_EX)

@@ -28,11 +28,15 @@ def lmdb_fill(env: Any, dbs: list[Any], data_db: Any = None) -> dict[str, int]:
 
 def pool_fill(backend: Any) -> dict[str, int] | None:
     """The fill of an embedded pool backend; None for a backend without one
-    (Mooncake: its master reports its own) or when it cannot be read now."""
+    (Mooncake: its master reports its own) or when it cannot be read now.
+    A sharded pool's fill covers every shard."""
     env = getattr(backend, "env", None)
-    if env is None:
+    fill = getattr(backend, "fill", None)  # a sharded pool: its shards' fills summed
+    if env is None and fill is None:
         return None
     try:
+        if env is None:
+            return fill()
         dbs = [getattr(backend, name) for name in _DATABASES if hasattr(backend, name)]
         return lmdb_fill(env, dbs, getattr(backend, "data", None))
     except Exception:  # noqa: BLE001 - a metric is never worth an error (map resized, closed)
