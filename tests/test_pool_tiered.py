@@ -84,11 +84,10 @@ def torn(be) -> list[str]:
     """Blocks a tier commits without every page, or with a page that fails
     its check: the near tier's every marker (an LMDB scan), and each
     block object the far tier holds."""
-    import lmdb  # noqa: F401
-
-    out = []
-    with be.near.env.begin(buffers=True) as txn:
-        keys = [bytes(k) for k, _ in txn.cursor(db=be.near.data)]
+    out, keys = [], []
+    for env in getattr(be.near, "shards", [be.near]):  # every shard of the near tier
+        with env.env.begin(buffers=True) as txn:
+            keys += [bytes(k) for k, _ in txn.cursor(db=env.data)]
     for m in (k for k in keys if is_marker(k)):
         head, _, last = m.rpartition(b"/")
         token = last.partition(b"@")[2]

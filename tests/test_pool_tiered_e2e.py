@@ -141,10 +141,12 @@ def _torn_near(near: str) -> list[str]:
     be = admin.open_pool(near, None)
     try:
         bad = [g for g in admin.verify(be)["damaged"]]
-        with be.env.begin(buffers=True) as txn:
-            keys = [bytes(k) for k, _ in txn.cursor(db=be.data)]
     finally:
         be.close()
+    from vllm_layerwise_patch.testing.raw_pool import raw_data
+
+    with raw_data(near, write=False) as txn:  # every shard of the near tier
+        keys = [bytes(k) for k, _ in txn.cursor()]
     pages: dict[tuple[bytes, bytes], int] = {}
     for k in keys:
         if not is_marker(k) and b"/L" in k:

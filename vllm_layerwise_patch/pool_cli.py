@@ -104,7 +104,7 @@ def _print_info(doc: dict[str, Any]) -> None:
     n = doc.get("shards", 1)
     shards = f", {n} shards" if n > 1 else ""
     print(f"pool {doc['path']} (lmdb{shards})" if "far" not in doc else
-          f"pool {doc['path']} (tiered: this lmdb pool{shards} is the near tier)")
+          f"pool {doc['path']} (tiered: this lmdb pool is the near tier){shards}")
     if "far" in doc:
         far = doc["far"]
         print(f"  far tier  Mooncake master {far['master_address']} ("
