@@ -187,6 +187,7 @@ def edited(tmp_path_factory):
     return model
 
 
+@pytest.mark.slow  # long: the slow set
 def test_one_small_tensor_changed_in_place_never_hits(edited, work, tmp_path):
     from vllm_layerwise_patch.pool.identity.weights import weights_identity
 

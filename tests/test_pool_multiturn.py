@@ -34,7 +34,7 @@ from vllm_layerwise_patch.testing.engines import engine_env, run_engine, served,
 from test_pool_async_sched import data
 from test_pool_default_layout import INTERLEAVED
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # long: the slow set
 
 BLOCK = 384
 TURN1 = {"prefix": [2100, 11]}

@@ -297,8 +297,17 @@ def test_engines_share_a_pool_through_shared_group(tiny_model_dir, work):
     assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
     assert b["out"][0]["cached"] == 3 * 640 and toks(b) == toks(a)
     gid = grp.getgrnam(SHARED).gr_gid
-    assert modes(path) == expected(0o3770, 0o660)
-    assert {os.lstat(os.path.join(path, n)).st_gid for n in FILES} == {gid}
+    from vllm_layerwise_patch.testing.raw_pool import environments
+
+    envs = environments(path)  # the pool itself, or each of its shards
+    for env in envs:
+        assert modes(env) == expected(0o3770, 0o660)
+        assert {os.lstat(os.path.join(env, n)).st_gid for n in FILES} == {gid}
+    if envs != [path]:  # a sharded pool's own files: its lock and the shard record
+        top = (".open.lock", "shards")
+        assert {n: mode(os.path.join(path, n)) for n in top} | {".": mode(path)} \
+            == {n: 0o660 for n in top} | {".": 0o3770}
+        assert {os.lstat(os.path.join(path, n)).st_gid for n in top} == {gid}
 
 
 DOCTOR = """

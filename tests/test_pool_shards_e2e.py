@@ -21,7 +21,7 @@ from vllm_layerwise_patch.testing.engines import (engine_env, kv_metrics, served
                                                   start_engine)
 from vllm_layerwise_patch.testing.raw_pool import raw_data, shard_count
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # long: the slow set
 
 
 def prompts(prefixes, start):

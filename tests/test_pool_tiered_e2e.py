@@ -164,6 +164,7 @@ def _torn_near(near: str) -> list[str]:
                   if pages.get((g, t), 0) < full[kind(g, t)]]
 
 
+@pytest.mark.slow  # long: the slow set
 def test_an_engine_killed_mid_save_leaves_no_torn_entry_in_either_tier(tiny_model_dir, work,
                                                                         cluster, cold,
                                                                         tmp_path):
