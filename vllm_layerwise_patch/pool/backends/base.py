@@ -163,6 +163,19 @@ def verify(key: bytes, head: Any, payload: memoryview, namespace: bytes,
 Consumer = Callable[[int, bytes, "bytes | memoryview | None"], None]
 
 
+def values_from_reads(backend: "Backend", keys: list[bytes],
+                      sizes: list[int] | None = None) -> list[bytes | None]:
+    """``get_many`` for a backend whose reads are its ``read_many``: each
+    value copied out of the (possibly zero-copy) view it is handed."""
+    out: list[bytes | None] = [None] * len(keys)
+
+    def keep(i: int, _k: bytes, v: Any) -> None:
+        out[i] = None if v is None else bytes(v)
+
+    backend.read_many(keys, keep, sizes)
+    return out
+
+
 class Backend(abc.ABC):
     """Key/value store of raw bytes, safe for several processes.
 

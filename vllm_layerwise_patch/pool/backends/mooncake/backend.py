@@ -64,7 +64,7 @@ from typing import Any
 from ...config import PREFIX, PoolConfigError
 from ...keys import is_marker
 from ...logs import LogOnce
-from ..base import Backend, BackendError
+from ..base import Backend, BackendError, values_from_reads
 from ..generation import Generation
 from .connection import MooncakeConnection
 from .objects import ObjectLayouts, ObjectWrites
@@ -250,13 +250,7 @@ class MooncakeBackend(Backend):
         return self.plain.direct(store, keys, ptrs, lengths)
 
     def get_many(self, keys: list[bytes], sizes: list[int] | None = None) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
-
-        def keep(i: int, _k: bytes, v: Any) -> None:
-            out[i] = None if v is None else bytes(v)
-
-        self.read_many(keys, keep, sizes)
-        return out
+        return values_from_reads(self, keys, sizes)
 
     # -- writes ----------------------------------------------------------------
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 
 from ...faults import faults
 from ...logs import LogOnce
-from ..base import Backend
+from ..base import Backend, values_from_reads
 from ..generation import Generation
 from .promotion import Promoter
 
@@ -204,13 +204,7 @@ class TieredBackend(Backend):
                            None if sizes is None else [sizes[i] for i in rest])
 
     def get_many(self, keys: list[bytes], sizes: list[int] | None = None) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
-
-        def keep(i: int, _k: bytes, v: Any) -> None:
-            out[i] = None if v is None else bytes(v)
-
-        self.read_many(keys, keep, sizes)
-        return out
+        return values_from_reads(self, keys, sizes)
 
     # -- writes ------------------------------------------------------------------
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
