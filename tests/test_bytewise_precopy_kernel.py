@@ -245,7 +245,7 @@ def check_random_cases(res: dict, dim_first: bool, seeds: int = SEEDS) -> None:
     assert not missing, (missing, res["cov"])
 
 
-@pytest.mark.parametrize("dim_first", [False, True], ids=["SD", "DS"])
+@pytest.mark.parametrize("dim_first", [pytest.param(False, marks=pytest.mark.slow), True], ids=["SD", "DS"])
 def test_byte_identical_to_upstream(dim_first):
     res = _run_interpreted(f"""
         import time

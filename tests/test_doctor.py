@@ -79,6 +79,7 @@ def test_self_check_failure_is_reported_and_exit_1():
     assert proc.returncode == 1 and not report["ok"]
 
 
+@pytest.mark.slow  # long: the slow set
 def test_human_output_fits_80_columns():
     for env in (clean_env(VLLM_LAYERWISE_PATCH="1"), clean_env()):
         out = doctor([], env).stdout
@@ -100,7 +101,7 @@ def test_unknown_target_source_is_skipped_and_doctor_fails():
     assert max(len(line) for line in human.splitlines()) <= 80
 
 
-@pytest.mark.parametrize("force", ["all", "hybrid-block-size"])
+@pytest.mark.parametrize("force", ["all", pytest.param("hybrid-block-size", marks=pytest.mark.slow)])
 def test_force_applies_unverified_source_and_doctor_warns(force):
     env = clean_env(VLLM_LAYERWISE_PATCH="1", VLLM_LAYERWISE_PATCH_FORCE=force)
     proc = doctor(["--json"], env, prelude=DRIFT)

@@ -50,6 +50,7 @@ def _sources(tmp_path: Path | None = None) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # a CPU rehearsal of a GPU run: the slow set
 def test_gpu_checks_dry_run(tmp_path):
     out = tmp_path / "out"
     args = ["bash", str(SCRIPT), str(out), "--dry-run", "--no-engine"]

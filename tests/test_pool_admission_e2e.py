@@ -93,7 +93,7 @@ def test_reused_saves_a_prompt_the_second_time_and_a_third_engine_hits_it(
     assert toks(third) == [baseline["P"]]
 
 
-@pytest.mark.parametrize("enforced", [False, True], ids=["ignored", "enforced"])
+@pytest.mark.parametrize("enforced", [pytest.param(False, marks=pytest.mark.slow), True], ids=["ignored", "enforced"])
 def test_a_step_saves_at_most_the_budget_and_the_rest_is_counted(tiny_model_dir, work,
                                                                  baseline, enforced):
     # Q's two prompts prefill in the same steps; a budget of 2 blocks keeps

@@ -79,7 +79,7 @@ def no_pool(interleaved_model):
     return res
 
 
-@pytest.mark.parametrize("guard", ["fixed", "old"])
+@pytest.mark.parametrize("guard", ["fixed", pytest.param("old", marks=pytest.mark.slow)])
 def test_the_pool_changes_no_cold_token_and_a_fresh_engine_hits_every_block(
         interleaved_model, tmp_path, no_pool, guard):
     faults = OLD_GUARD if guard == "old" else {}
@@ -103,6 +103,7 @@ def test_the_pool_changes_no_cold_token_and_a_fresh_engine_hits_every_block(
     assert "layerwise loads and saves" in fresh["log"]
 
 
+@pytest.mark.slow  # the serve variant (test_server.py restarts a server in the default set): the slow set
 def test_vllm_serve_restarted_on_the_pool_hits_every_block(interleaved_model, tmp_path):
     """``vllm serve`` (engine core and worker in their own processes): a
     1500-token prompt's 3 blocks and their states are stored, and a

@@ -121,7 +121,7 @@ def test_fresh_engine_hits_the_pool_with_identical_tokens(tiny_model_dir, work, 
     assert sum(float(f["Saved (GB)"]) for f in lines) > 0
 
 
-@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("skip", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_steps_without_pool_loads_run_the_precopy_in_bulk(tiny_model_dir, work, baseline,
                                                           skip):
     # A fresh pool: P and PB are cold, computed in 640-token chunks, and each
@@ -358,7 +358,7 @@ def test_async_load_negative_control_state_left_out_changes_tokens(tiny_model_di
     assert toks(res)[0][0] != toks(baseline)[0][0]
 
 
-@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("share", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_async_burst_on_one_prefix_reads_it_once_with_identical_tokens(tiny_model_dir, work,
                                                                        pool_a, burst_hbm,
                                                                        share):

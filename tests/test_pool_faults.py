@@ -128,6 +128,7 @@ def test_hot_prefix_survives_eviction_and_evicted_blocks_are_saved_again(tiny_mo
     assert toks(again) == [cold["HOT"], cold["C0"], cold["C0"]]
 
 
+@pytest.mark.slow  # long: the slow set
 def test_two_engines_at_once_on_a_pool_smaller_than_their_working_set(tiny_model_dir, work):
     # Two engines running at the same time, 8 concurrent requests each, on
     # one pool far smaller than what they store (and opened with different
@@ -148,12 +149,14 @@ def test_two_engines_at_once_on_a_pool_smaller_than_their_working_set(tiny_model
     assert sum(metric(r, "Blocks saved") for r in runs) > 0
 
 
+@pytest.mark.slow  # long: the slow set
 def test_an_engine_with_another_capacity_keeps_serving(tiny_model_dir, work, pool_p, cold):
     res = served(engine(tiny_model_dir, work, [P, HOT], pool=dict(pool_p, capacity="32MiB")))
     assert res["out"][0]["cached"] == FULL
     assert toks(res) == [cold["P"], cold["HOT"]]
 
 
+@pytest.mark.slow  # long: the slow set
 def test_a_reader_killed_inside_a_transaction_does_not_stop_eviction(tiny_model_dir, work,
                                                                       cold, tmp_path):
     # While an engine runs on the pool, another process is SIGKILLed inside
@@ -207,6 +210,7 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow  # long: the slow set
 def test_a_small_filesystem_refuses_at_startup_and_a_full_one_skips_saves(
         tiny_model_dir, work, small_tmpfs, cold):
     path = str(small_tmpfs / "pool")

@@ -16,7 +16,7 @@ import pytest
 
 from vllm_layerwise_patch.testing.engines import engine_env, run_engine, served, toks
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # the host pipeline's engine variant: the slow set
 
 P = {"prefix": [2000, 5]}
 PA = {"prefix": [1300, 5], "suffix": [150, 6]}

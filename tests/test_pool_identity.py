@@ -119,6 +119,7 @@ def reweighted(tmp_path_factory, work):
     return model
 
 
+@pytest.mark.slow  # long: the slow set
 def test_new_weights_under_the_same_path_never_hit(reweighted, work):
     from vllm_layerwise_patch.testing import build_tiny_qwen3_next
 
@@ -142,6 +143,7 @@ def test_new_weights_under_the_same_path_never_hit(reweighted, work):
     assert toks(bad)[0][0] != toks(cold)[0][0]
 
 
+@pytest.mark.slow  # long: the slow set
 def test_another_mamba_ssm_dtype_never_hits(tiny_model_dir, work):
     pool = {"path": str(work / "dtype"), "capacity": "64MiB"}
     served(engine(tiny_model_dir, work, [P], pool=pool))

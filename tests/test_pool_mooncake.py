@@ -477,7 +477,7 @@ BACK = "the pool is back"
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("victim", ["master", "holder"])
+@pytest.mark.parametrize("victim", ["master", pytest.param("holder", marks=pytest.mark.slow)])
 def test_killing_the_master_or_holder_in_flight_recomputes_and_hits_resume(
         tiny_model_dir, work, cold, tmp_path, victim):
     # Phase 1 stores C0..C2; phase 2 serves them again (each from the pool,
@@ -523,6 +523,7 @@ def test_killing_the_master_or_holder_in_flight_recomputes_and_hits_resume(
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # long (LMDB's eviction e2e is in the default set): the slow set
 def test_a_pool_smaller_than_the_working_set_evicts(tiny_model_dir, work, cold, tmp_path):
     # A 16 MiB holder (Mooncake's smallest segment) and ten ~2 MB prompts:
     # Mooncake evicts (silently, at its high watermark); every output equals

@@ -32,7 +32,7 @@ import pytest
 
 from vllm_layerwise_patch.testing.engines import engine_env, kv_metrics, run_engine, toks
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # the MTP drafter variant: the slow set
 
 BLOCK = 640
 MAX_TOKENS = 6

@@ -288,6 +288,7 @@ def test_engine_refuses_unsafe_pool_paths_at_startup(tiny_model_dir, work, tmp_p
 
 @pytest.mark.vllm
 @needs_root
+@pytest.mark.slow  # two engines: the slow set
 def test_engines_share_a_pool_through_shared_group(tiny_model_dir, work):
     path = str(work / "shared")
     pool = {"path": path, "capacity": "64MiB", "shared_group": SHARED}

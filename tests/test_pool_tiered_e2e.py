@@ -90,7 +90,7 @@ def test_near_hits_far_hits_and_promotion_give_the_no_pool_tokens(tiny_model_dir
 
 # the near-tier load fault stays in the default set; the far tier's two run
 # with the slow set (README), beside the fault suite's tiered variants
-@pytest.mark.parametrize("tier,fault", [("near", "load"),
+@pytest.mark.parametrize("tier,fault", [pytest.param("near", "load", marks=pytest.mark.slow),
                                         pytest.param("far", "lookup", marks=pytest.mark.slow),
                                         pytest.param("far", "save", marks=pytest.mark.slow)])
 def test_a_failing_tier_is_a_miss_or_a_recompute(tiny_model_dir, work, cluster, cold, tier,

@@ -19,7 +19,7 @@ from vllm_layerwise_patch.cpu_emulation import cpu_v2_env
 from vllm_layerwise_patch.testing import build_tiny_qwen3_next
 from vllm_layerwise_patch.testing.engines import engine_env, kv_metrics, run_engine, toks
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # TP=2 on CPU, a second layout: the slow set
 
 BLOCK = 640
 P = {"prefix": [2000, 5]}

@@ -110,6 +110,7 @@ def test_weights_changed_at_run_time_never_serve_or_store_a_stale_page(
     assert toks(b) == cold["w0"]
 
 
+@pytest.mark.slow  # a negative control: the slow set
 def test_negative_control_one_namespace_for_life_serves_and_stores_other_weights(
         tiny_model_dir, w1, work, cold):
     pool = {"path": str(work / "pool-blind"), "capacity": "64MiB",

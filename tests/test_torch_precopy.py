@@ -273,6 +273,7 @@ def _bootstrap_probe(**env: str) -> tuple[dict, str]:
     return json.loads(line[len("RESULT "):]), proc.stderr
 
 
+@pytest.mark.slow  # long: the slow set
 def test_bootstrap_installs_only_in_the_cpu_emulation_when_asked():
     on, err = _bootstrap_probe(VLLM_LAYERWISE_PATCH_CPU_V2="1", **{ENV: "1"})
     assert on["type"] == "TorchPrecopyKernel", (on, err[-2000:])

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
+
 from conftest import clean_env, run_py
 
 ENV = "VLLM_LAYERWISE_PATCH_CPU_TORCH_ZEROING"
@@ -194,6 +196,7 @@ def _probe(**env: str) -> tuple[str, str]:
     return proc.stdout.split("RESULT ")[-1].strip(), proc.stderr
 
 
+@pytest.mark.slow  # long: the slow set
 def test_bootstrap_installs_only_in_the_cpu_emulation_when_asked():
     on, err = _probe(VLLM_LAYERWISE_PATCH_CPU_V2="1", **{ENV: "1"})
     assert on == "TorchZeroingKernel", (on, err[-2000:])
