@@ -348,8 +348,9 @@ GDN_LAYERS = 3
 
 
 def test_engine_tokens_identical_with_torch_precopy(tiny_model_dir, tmp_path):
-    """One engine per kernel (the torch one also zeroes new KV blocks with the
-    host stand-in), the pool connector's layerwise path on: P (2000
+    """One engine per kernel (the torch one also zeroes new KV blocks and
+    makes vLLM's post-sampling align copies with the host stand-ins), the
+    pool connector's layerwise path on: P (2000
     tokens) fills the pool; with vLLM's prefix cache reset before each prompt
     PA then hits P's 1280 checkpoint and P its 1920 one, loaded from the
     pool and moved by the deferred per-layer pre-copies.  Tokens, logprobs
@@ -386,6 +387,10 @@ def test_engine_tokens_identical_with_torch_precopy(tiny_model_dir, tmp_path):
     zeroing = re.search(r"host zeroing: (\d+) launches, (\d+) bytes written", torch_["log"])
     assert zeroing and int(zeroing[1]) > 0 and int(zeroing[2]) > 0, torch_["log"][-3000:]
     assert "host zeroing" not in interp["log"]
+    # and vLLM's post-sampling align copy (tests/test_torch_postprocess.py)
+    post = re.search(r"torch post-copy: (\d+) launches, (\d+) bytes written", torch_["log"])
+    assert post and int(post[1]) > 0 and int(post[2]) > 0, torch_["log"][-3000:]
+    assert "torch post-copy" not in interp["log"]
     steps = launches - loading_steps * (GDN_LAYERS - 1)
 
     def serving(res: dict) -> float | None:

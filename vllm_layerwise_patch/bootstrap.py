@@ -29,9 +29,11 @@ def boot() -> None:
 
             install_cpu_v2_shim()
             if flag(CPU_TORCH_PRECOPY_ENV):
+                from .cpu_emulation.torch_postprocess import install_on_import as install_post
                 from .cpu_emulation.torch_precopy_install import install_on_import
 
                 install_on_import()
+                install_post()
             if flag(CPU_TORCH_ZEROING_ENV):
                 from .cpu_emulation.torch_zeroing import install_on_import as install_zeroing
 

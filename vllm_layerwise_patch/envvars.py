@@ -129,8 +129,9 @@ def markdown_table() -> str:
          "tests only: fault injection and negative controls (`pool/faults.py`); never set it "
          "on a serving engine: it makes wrong tokens on purpose"),
         (CPU_TORCH_PRECOPY_ENV, f"{_spell(TRUE_VALUES)} (unset: off)",
-         f"with `{CPU_V2_ENV}`: vLLM's mamba pre-copy kernel runs as a byte-identical torch "
-         "copy instead of in the Triton interpreter (CPU benchmarks)"),
+         f"with `{CPU_V2_ENV}`: vLLM's mamba align copy kernels (the pre-copy before the "
+         "forward, the post-sampling copy) run as byte-identical torch copies instead of in "
+         "the Triton interpreter (CPU benchmarks)"),
         (CPU_TORCH_ZEROING_ENV, f"{_spell(TRUE_VALUES)} (unset: off)",
          f"with `{CPU_V2_ENV}`: vLLM's KV-block zeroing kernel runs as a byte-identical "
          "`memset` instead of in the Triton interpreter (CPU benchmarks)"),

