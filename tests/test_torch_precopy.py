@@ -387,11 +387,13 @@ def test_engine_tokens_identical_with_torch_precopy(tiny_model_dir, tmp_path):
     zeroing = re.search(r"host zeroing: (\d+) launches, (\d+) bytes written", torch_["log"])
     assert zeroing and int(zeroing[1]) > 0 and int(zeroing[2]) > 0, torch_["log"][-3000:]
     assert "host zeroing" not in interp["log"]
-    # and vLLM's post-sampling align copy (tests/test_torch_postprocess.py)
-    post = re.search(r"torch post-copy: (\d+) launches, (\d+) bytes written", torch_["log"])
-    assert post and int(post[1]) > 0 and int(post[2]) > 0, torch_["log"][-3000:]
-    assert "torch post-copy" not in interp["log"]
     steps = launches - loading_steps * (GDN_LAYERS - 1)
+    # and vLLM's post-sampling align copy ran as torch every step (its bytes:
+    # tests/test_torch_postprocess.py; here every chunk ends on a block
+    # boundary, where the running state is already the block's: 0 bytes)
+    post = re.search(r"torch post-copy: (\d+) launches, (\d+) bytes written", torch_["log"])
+    assert post and int(post[1]) >= steps, (post and post[0], steps)
+    assert "torch post-copy" not in interp["log"]
 
     def serving(res: dict) -> float | None:
         """Seconds from engine start to the end, without process start-up:

@@ -17,10 +17,11 @@ NOTES = [
     "servers); vLLM hits whole blocks of its own (hybrid) block size, and a request's "
     "last prompt token is always computed: an unbounded prefix cache of the trace's "
     "blocks bounds the rate.",
-    "`no-prefix-cache` has the lowest TTFT of this CPU run: vLLM with prefix caching "
-    "on (every other configuration) replayed the same requests about 3x slower "
-    "(seen in this run; the cause is not investigated). Compare TTFT among the "
-    "prefix-caching configurations.",
+    "On this CPU emulation a replay step costs about the same whatever it computes "
+    "(interpreted Model Runner V2 kernels), so prefix hits save little time: compare "
+    "hit rates, and TTFT among the prefix-caching configurations. (Before the "
+    "post-sampling align copy's torch stand-in, prefix caching replayed about 3x "
+    "slower than `no-prefix-cache`: docs/benchmarks.md.)",
     "Every pool run starts on an empty pool: the pool fills from the replay's own "
     "saves, so what it serves is what an earlier request of the replay left and the HBM "
     "cache evicted (or, after a restart, lost).",
