@@ -167,7 +167,9 @@ def test_comparison_catches_wrong_variants(tmp_path):
     res = _interpreted(f"""
         def load(name):
             p = os.path.join({str(tmp_path)!r}, f"mut_{{name}}.py")
-            sp = importlib.util.spec_from_file_location(f"mut_{{name}}", p)
+            # in the package: the module's relative imports resolve
+            sp = importlib.util.spec_from_file_location(
+                f"vllm_layerwise_patch.cpu_emulation.mut_{{name}}", p)
             m = importlib.util.module_from_spec(sp); sp.loader.exec_module(m)
             return tp.TorchPrecopyKernel(impl=m.precopy_mamba_align_torch)
         cases = [T.build_case(s, dim_first=df, tiles=16, has_idx=True)

@@ -68,6 +68,28 @@ class KernelStandIn:
                 f"{self.KERNEL_MODULE}.{self.KERNEL_NAME}>")
 
 
+def on_cpu(label: str, meta: dict[str, Any]) -> None:
+    """Refuse a launch with a tensor off the CPU (this stand-in addresses
+    host memory)."""
+    import torch
+
+    for name, value in meta.items():
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            raise RuntimeError(f"{label}: {name} is on {value.device}; this "
+                               "stand-in addresses host memory (CPU emulation only)")
+
+
+def grid3(grid: Any, meta: dict[str, Any]) -> tuple[int, int, int]:
+    """A launch grid (1-3 ints, or a callable of the launch arguments as
+    Triton takes it) as three ints."""
+    if callable(grid):
+        grid = grid(meta)
+    grid = tuple(int(g) for g in grid)
+    if not 1 <= len(grid) <= 3:
+        raise ValueError(f"grid must have 1 to 3 dimensions, got {grid}")
+    return grid + (1,) * (3 - len(grid))  # type: ignore[return-value]
+
+
 def _attr(root: Any, dotted: str) -> Any:
     return functools.reduce(getattr, dotted.split("."), root)
 

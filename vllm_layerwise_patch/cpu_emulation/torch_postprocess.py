@@ -47,7 +47,7 @@ from typing import Any
 
 from ..envvars import CPU_TORCH_PRECOPY_ENV
 from .standins import Installer, KernelStandIn
-from .torch_precopy import _flat, _grid3, copy_columns
+from .torch_precopy import _flat, copy_columns, launched_rows, on_cpu
 
 __all__ = ["ARG_NAMES", "TorchPostprocessKernel", "VERIFIED_SOURCES", "install",
            "install_on_import", "postprocess_mamba_align_torch", "stats", "uninstall"]
@@ -114,34 +114,19 @@ def postprocess_mamba_align_torch(
             COPY_BLOCK_SIZE, CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING,
             PRECOMPUTED_NEW_COMPUTED, TEMPORAL_TILES)
     meta = dict(zip(ARG_NAMES, args))
-    for name, value in meta.items():
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            raise RuntimeError(f"torch post-copy: {name} is on {value.device}; this "
-                               "stand-in addresses host memory (CPU emulation only)")
+    on_cpu("torch post-copy", meta)
     if _shares_memory(num_accepted_tokens_ptr, num_accepted_tokens_out_ptr):
         raise ValueError("torch post-copy: num_accepted_tokens_out shares memory with "
                          "num_accepted_tokens (the kernel's later programs would read "
                          "its stores)")
-    if grid is None:
-        grid = (num_reqs, state_base_addrs_ptr.numel(), TEMPORAL_TILES)
-    nb, ns, nt = _grid3(grid, meta)
-    nb = min(nb, int(num_reqs))
-    cbs, tiles_total, bs = int(COPY_BLOCK_SIZE), int(TEMPORAL_TILES), int(block_size)
-    if cbs <= 0 or tiles_total <= 0 or bs <= 0:
-        raise ValueError(f"COPY_BLOCK_SIZE={cbs}, TEMPORAL_TILES={tiles_total}, "
-                         f"block_size={bs}")
-    if nb <= 0 or ns <= 0 or nt <= 0:
+    bs = int(block_size)
+    if bs <= 0:
+        raise ValueError(f"block_size={bs}")
+    rows = launched_rows(grid, meta, num_reqs, state_base_addrs_ptr, COPY_BLOCK_SIZE,
+                         TEMPORAL_TILES, idx_mapping_ptr, HAS_IDX_MAPPING)
+    if rows is None:
         return 0
-
-    if HAS_IDX_MAPPING:
-        if idx_mapping_ptr is None:
-            raise ValueError("HAS_IDX_MAPPING=True without an idx_mapping tensor")
-        req = _flat(idx_mapping_ptr, nb)
-        req = req[req >= 0]
-    else:
-        req = torch.arange(nb)
-    if req.numel() == 0:
-        return 0
+    req, ns, nt, cbs, tiles_total = rows
     m = int(req.max()) + 1
     acc = _flat(num_accepted_tokens_ptr, m)[req]
     src = _flat(mamba_state_idx_ptr, m)[req]

