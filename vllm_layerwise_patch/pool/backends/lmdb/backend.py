@@ -28,6 +28,7 @@ smaller than ``capacity`` is refused at startup.  (Writes: :mod:`.generation`.)
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import threading
@@ -65,7 +66,8 @@ class LmdbBackend(Backend):
             logger.info("vllm-layerwise-patch pool: %s was opened with a larger capacity "
                         "(%d bytes) by another engine; sharing it", path, self.map_size)
         self._gate = Gate()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # (puts: :meth:`_writer`)
+        self.writer_wait_seconds = 0.0
         self.eviction = LruEviction(self.env, (self.groups, self.lru, self.pins), self._gen,
                                     txn=self._txn, pinned=self._pinned, drop=self._drop,
                                     map_size=lambda: self.map_size, fraction=evict_fraction)
@@ -242,9 +244,42 @@ class LmdbBackend(Backend):
 
     # -- writes ----------------------------------------------------------------
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        if not items:
+        self._put(items, wait=True)
+
+    def try_put_many(self, items: list[tuple[bytes, bytes]]) -> bool:
+        """:meth:`put_many` if this environment's writer is free now; False,
+        writing nothing, when another put (thread or process) holds it - a
+        sharded pool writes its other shards meanwhile (:mod:`.sharded`)."""
+        return self._put(items, wait=False)
+
+    @contextlib.contextmanager
+    def _writer(self, wait: bool):
+        """The writer's turn among puts: this process's lock, then a ``flock``
+        on the pool directory (other processes' puts: LMDB's writer mutex
+        cannot be tried).  False when busy and not ``wait``."""
+        t0 = time.perf_counter()
+        if not self._lock.acquire(blocking=wait):
+            yield False
             return
-        self.calls["put"] += 1
+        try:
+            fd = self._files.dir.fd
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            if wait:
+                self.writer_wait_seconds += time.perf_counter() - t0
+            try:
+                yield True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
+
+    def _put(self, items: list[tuple[bytes, bytes]], wait: bool) -> bool:
+        if not items:
+            return True
         import lmdb
 
         if self._writes_refused:
@@ -252,11 +287,14 @@ class LmdbBackend(Backend):
         need = sum(len(k) + len(v) for k, v in items)
         if need > self.capacity // 2:
             raise PoolFull(f"a batch of {need} bytes cannot fit a pool of {self.capacity}")
-        with self._lock:
+        with self._writer(wait) as turn:
+            if not turn:
+                return False
+            self.calls["put"] += 1
             for attempt in range(4):
                 try:
                     self._write(items)
-                    return
+                    return True
                 except lmdb.MapFullError:
                     if self._adopt_map():
                         continue

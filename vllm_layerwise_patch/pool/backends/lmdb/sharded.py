@@ -148,22 +148,40 @@ class ShardedLmdbBackend(Backend):
     # -- writes ----------------------------------------------------------------------
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         """One write transaction per shard touched (a block's items all in
-        one).  Every shard is written even when one fails (its blocks are
-        whole); then the first error is raised: those saves are skipped."""
+        one), each shard written when its writer is free: a busy shard is
+        passed over and tried again after the others, and only when every
+        shard left is busy does the put wait (for the first of them).
+        Every shard is written even when one fails (its blocks are whole);
+        then the first error is raised: those saves are skipped."""
         if not items:
             return
         self.calls["put"] += 1
         parts = self._split(k for k, _ in items)
         self._turn += 1
-        order = sorted(parts, key=lambda s: (s - self._turn) % self.n)
+        pending = sorted(parts, key=lambda s: (s - self._turn) % self.n)
         error: BaseException | None = None
-        for s in order:
-            try:
-                self.shards[s].put_many([items[i] for i in parts[s][0]])
-            except BackendError as exc:
-                error = error or exc
+        while pending:
+            busy = []
+            for s in pending:
+                try:
+                    if not self.shards[s].try_put_many([items[i] for i in parts[s][0]]):
+                        busy.append(s)
+                except BackendError as exc:
+                    error = error or exc
+            if busy and len(busy) == len(pending):  # no shard free: wait for one
+                s = busy.pop(0)
+                try:
+                    self.shards[s].put_many([items[i] for i in parts[s][0]])
+                except BackendError as exc:
+                    error = error or exc
+            pending = busy
         if error is not None:
             raise error
+
+    @property
+    def writer_wait_seconds(self) -> float:
+        """Time puts spent blocked on a busy shard's writer."""
+        return sum(s.writer_wait_seconds for s in self.shards)
 
     # -- figures ---------------------------------------------------------------------
     @property
