@@ -16,8 +16,12 @@ engines sharing it, and the medium under it - each curve from one run.
   the default layout) and a pool per process: aggregate and per-process
   GB/s, and the time each process waits for a writer - both the put's wall
   time minus the same put alone (``writer_wait_ms``) and the time spent
-  acquiring LMDB's write lock, measured around each write transaction's
-  begin (``lock_wait_ms_per_put``);
+  blocked on a writer, measured: the pool's turn among puts (its
+  ``writer_wait_seconds``) plus LMDB's write lock, timed around each write
+  transaction's begin (``lock_wait_ms_per_put``);
+* ``engines_paced``: the same with each process sleeping ``--forward-ms``
+  after each save and read (an engine's forward): the processes' CPU demand
+  stays under the machine's cores, so what is left is waiting on writers;
 * ``shards``: the largest process count of ``--engines`` on one pool of 1,
   2, 4, 8 and 16 shards and on a pool each (what the default count rests on);
 * ``medium``: save and load GB/s on /dev/shm and on a disk-backed directory
@@ -33,6 +37,7 @@ Writes ``scale.json`` and one PNG per curve (matplotlib, when installed).
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -200,7 +205,8 @@ class _TimedEnv:
         return getattr(self._env, name)
 
 
-def _worker(path: str, cap: int, shards: int, seconds: float, start: float, q) -> None:
+def _worker(path: str, cap: int, shards: int, seconds: float, start: float, q,
+            forward_s: float = 0.0) -> None:
     be = open_pool(path, cap, shards, pin_seconds=0)
     lock_wait = [0.0]
     for env_owner in getattr(be, "shards", [be]):
@@ -216,7 +222,7 @@ def _worker(path: str, cap: int, shards: int, seconds: float, start: float, q) -
     while time.time() < end:
         items = [kv for b in range(4) for kv in _block(_hash(pid * 10**6 + i * 4 + b),
                                                          payload)]
-        t0, w0 = time.perf_counter(), lock_wait[0]
+        t0, w0 = time.perf_counter(), lock_wait[0] + be.writer_wait_seconds
         try:
             be.put_many(items)
         except PoolFull:  # (an engine skips that save and counts it)
@@ -224,12 +230,14 @@ def _worker(path: str, cap: int, shards: int, seconds: float, start: float, q) -
             i += 1
             continue
         put_s.append(time.perf_counter() - t0)
-        waits.append(lock_wait[0] - w0)
+        waits.append(lock_wait[0] + be.writer_wait_seconds - w0)
         saved += sum(len(v) for _, v in items)
         got = [0]
         be.read_many([k for k, _ in items], lambda j, k, v: got.__setitem__(0, got[0] + len(v)))
         loaded += got[0]
         i += 1
+        if forward_s:  # (the engine's forward between saves: the CPU is free)
+            time.sleep(forward_s)
     be.close()
     put_s, waits = put_s or [0.0], waits or [0.0]
     q.put({"saved_bytes": saved, "loaded_bytes": loaded, "seconds": seconds,
@@ -238,11 +246,12 @@ def _worker(path: str, cap: int, shards: int, seconds: float, start: float, q) -
            "lock_wait_p99_ms": sorted(waits)[int(len(waits) * 0.99)] * 1e3})
 
 
-def _concurrent(paths: list[str], cap: int, seconds: float, shards: int = 1) -> dict:
+def _concurrent(paths: list[str], cap: int, seconds: float, shards: int = 1,
+                forward_s: float = 0.0) -> dict:
     ctx = mp.get_context("fork")  # (the parent holds no LMDB environment open here)
     q = ctx.Queue()
     start = time.time() + 3.0  # every process opened its pool by then
-    procs = [ctx.Process(target=_worker, args=(p, cap, shards, seconds, start, q))
+    procs = [ctx.Process(target=_worker, args=(p, cap, shards, seconds, start, q, forward_s))
              for p in paths]
     for p in procs:
         p.start()
@@ -263,6 +272,11 @@ def _concurrent(paths: list[str], cap: int, seconds: float, shards: int = 1) -> 
             "lock_wait_p99_ms": round(max(r["lock_wait_p99_ms"] for r in res), 3)}
 
 
+#: the keys of scale.json each curve writes (``--update`` keeps the others)
+CURVE_KEYS = ("entries", "ratios_largest_to_smallest", "shards_entries", "entries_sharded",
+              "ratios_largest_to_smallest_sharded", "engines", "engines_paced", "forward_ms",
+              "shards_curve", "medium", "hit_cache")
+
 #: the three layouts of the engines curve
 LAYOUTS = ("one_pool", "sharded_pool", "separate_pools")
 
@@ -275,10 +289,11 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def engines_curve(tmp: str, seconds: float, counts: tuple[int, ...], shards: int,
-                  rounds: int = 1) -> list[dict]:
+                  rounds: int = 1, forward_s: float = 0.0) -> list[dict]:
     """Each point ``rounds`` times, the layouts and process counts in turn
     within a round (the machine's noise falls on every layout alike); each
-    figure from the round of median save rate."""
+    figure from the round of median save rate.  ``forward_s``: each process
+    sleeps that long after each save and read (an engine's forward)."""
     cap = 2 << 30
     layouts = {"one_pool": lambda k: ([os.path.join(tmp, f"shared{k}")] * k, cap, 1),
                "sharded_pool": lambda k: ([os.path.join(tmp, f"sharded{k}")] * k, cap, shards),
@@ -289,7 +304,8 @@ def engines_curve(tmp: str, seconds: float, counts: tuple[int, ...], shards: int
         for k in counts:
             for name, args in layouts.items():
                 paths, c, n = args(k)
-                raw.setdefault((k, name), []).append(_concurrent(paths, c, seconds, n))
+                raw.setdefault((k, name), []).append(
+                    _concurrent(paths, c, seconds, n, forward_s))
     out = []
     for k in counts:
         runs = {name: _median_run(raw[(k, name)]) for name in LAYOUTS}
@@ -391,11 +407,46 @@ def _plot(out_dir: str, doc: dict) -> None:
         fig.savefig(os.path.join(out_dir, "engines.png"))
 
 
+def _engines_table(doc: dict, curve: str) -> list[str]:
+    paced = curve == "engines_paced"
+    lines = [f"## Engines per pool{', paced' if paced else ''} (160 KiB pages; each process "
+             "saves 4 blocks, then reads them back, in a loop"
+             + (f", sleeping {doc['forward_ms']} ms after each (an engine's forward: the "
+                "processes' CPU demand stays under the machine's cores)" if paced else
+                ": processes beyond the CPUs share cores, and a writer preempted "
+                "holding its shard makes the others wait") + ")", "",
+             f"Three layouts in one run: one unsharded pool, one pool of {doc.get('shards')} "
+             "shards, a pool per process; every layout and process count in turn, "
+             f"{len(doc[curve][0]['one_pool'].get('rounds_save_GBps', [0]))} rounds, "
+             "each figure from the round of median save rate. Writer wait: the put's median "
+             "minus the same layout's put alone (1 process); lock wait: time blocked on a "
+             "writer per put (the pool's turn among puts and LMDB's write lock), measured "
+             "(mean; p99 of the worst process).", "",
+             "| processes | GB/s saved (= read): one pool / sharded / separate | sharded "
+             "/ separate | one pool / separate | slowest process: one pool / sharded | "
+             "writer wait per put: one pool / sharded | lock wait per put (mean / p99): "
+             "one pool / sharded |", "|---|---|---|---|---|---|---|"]
+    for e in doc[curve]:
+        o, s, p = (e[k] for k in LAYOUTS)
+        r = e["save_ratio_to_separate"]
+        lines.append(f"| {e['processes']} | {o['save_GBps_total']} / {s['save_GBps_total']}"
+                     f" / {p['save_GBps_total']} | {r['sharded_pool']} | {r['one_pool']} | "
+                     f"{o['save_GBps_per_process']} / {s['save_GBps_per_process']} | "
+                     f"{e['writer_wait_ms']} / {e['sharded_writer_wait_ms']} ms | "
+                     f"{o['lock_wait_ms_per_put']} / {o['lock_wait_p99_ms']} ms; "
+                     f"{s['lock_wait_ms_per_put']} / {s['lock_wait_p99_ms']} ms |")
+    return lines + [""]
+
+
 def _summary(out_dir: str, doc: dict) -> None:
     """summary.md: the tables a reader wants, from the JSON."""
     lines = ["# How the LMDB pool's cost grows (benchmarks/bench_scale.py)", "",
              f"One run on {os.cpu_count()} CPUs (other work on the machine: read medians; "
              "p99s carry its noise).", ""]
+    if len(doc.get("runs", [])) > 1:
+        lines += ["Curves from more than one run (`--update`): " + "; ".join(
+            f"`{' '.join(r['argv'] or [])}`: {', '.join(r['curves'])}" for r in doc["runs"]),
+            ""]
     for curve, title in (("entries", "Entries"),
                          ("entries_sharded", f"Entries, sharded pool "
                           f"({doc.get('shards')} shards; eviction: one shard's round)")):
@@ -413,29 +464,9 @@ def _summary(out_dir: str, doc: dict) -> None:
                 + f" | {e['ms']:.0f} ms, {e['groups_dropped']:,} groups "
                   f"({e['us_per_group']} µs each) |")
         lines.append("")
-    if doc.get("engines"):
-        lines += ["## Engines per pool (160 KiB pages; each process saves 4 blocks, then "
-                  "reads them back, in a loop)", "",
-                  f"Three layouts in one run: one unsharded pool, one pool of {doc.get('shards')} "
-                  "shards, a pool per process; every layout and process count in turn, "
-                  f"{len(doc['engines'][0]['one_pool'].get('rounds_save_GBps', [0]))} rounds, "
-                  "each figure from the round of median save rate. Writer wait: the put's median minus the same "
-                  "layout's put alone (1 process); lock wait: time in LMDB's write-lock "
-                  "acquisition per put, measured (mean; p99 of the worst process).", "",
-                  "| processes | GB/s saved (= read): one pool / sharded / separate | sharded "
-                  "/ separate | one pool / separate | slowest process: one pool / sharded | "
-                  "writer wait per put: one pool / sharded | lock wait per put (mean / p99): "
-                  "one pool / sharded |", "|---|---|---|---|---|---|---|"]
-        for e in doc["engines"]:
-            o, s, p = (e[k] for k in LAYOUTS)
-            r = e["save_ratio_to_separate"]
-            lines.append(f"| {e['processes']} | {o['save_GBps_total']} / {s['save_GBps_total']}"
-                         f" / {p['save_GBps_total']} | {r['sharded_pool']} | {r['one_pool']} | "
-                         f"{o['save_GBps_per_process']} / {s['save_GBps_per_process']} | "
-                         f"{e['writer_wait_ms']} / {e['sharded_writer_wait_ms']} ms | "
-                         f"{o['lock_wait_ms_per_put']} / {o['lock_wait_p99_ms']} ms; "
-                         f"{s['lock_wait_ms_per_put']} / {s['lock_wait_p99_ms']} ms |")
-        lines.append("")
+    for curve in ("engines", "engines_paced"):
+        if doc.get(curve):
+            lines += _engines_table(doc, curve)
     if doc.get("shards_curve"):
         k = doc["shards_curve"][0]["processes"]
         lines += [f"## Shards per pool ({k} processes saving at once, as above)", "",
@@ -470,6 +501,12 @@ def main() -> None:
                     help="shards of the sharded layout (engines curve)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of the engines curve (each figure: the median round's)")
+    ap.add_argument("--forward-ms", type=float, default=8.0,
+                    help="the paced engines curve: each process sleeps this long after each "
+                         "save and read (0: no paced curve)")
+    ap.add_argument("--update", action="store_true",
+                    help="keep the curves not run now from the scale.json already in --out "
+                         "(its 'runs' say which run measured which curve)")
     ap.add_argument("--entries-shards", type=int, default=0,
                     help="also run the entries curve on pools of this many shards")
     args = ap.parse_args()
@@ -508,17 +545,21 @@ def main() -> None:
                   doc["ratios_largest_to_smallest_sharded"])
         if "engines" in curves:
             counts = tuple(int(k) for k in args.engines.split(","))
-            doc["engines"] = engines_curve(tmp, seconds, counts, args.shards, args.rounds)
-            for e in doc["engines"]:
-                print(f"{e['processes']} processes: save GB/s one pool "
-                      f"{e['one_pool']['save_GBps_total']}, sharded "
-                      f"{e['sharded_pool']['save_GBps_total']}, separate "
-                      f"{e['separate_pools']['save_GBps_total']} (ratios to separate "
-                      f"{e['save_ratio_to_separate']}); writer wait one pool "
-                      f"{e['writer_wait_ms']} ms, sharded {e['sharded_writer_wait_ms']} ms; "
-                      f"lock wait per put one pool {e['one_pool']['lock_wait_ms_per_put']} "
-                      f"ms, sharded {e['sharded_pool']['lock_wait_ms_per_put']} ms",
-                      flush=True)
+            doc["forward_ms"] = args.forward_ms
+            for curve, fwd in (("engines", 0.0), ("engines_paced", args.forward_ms / 1e3)):
+                if curve == "engines_paced" and not fwd:
+                    continue
+                doc[curve] = engines_curve(tmp, seconds, counts, args.shards, args.rounds, fwd)
+                for e in doc[curve]:
+                    print(f"{curve}, {e['processes']} processes: save GB/s one pool "
+                          f"{e['one_pool']['save_GBps_total']}, sharded "
+                          f"{e['sharded_pool']['save_GBps_total']}, separate "
+                          f"{e['separate_pools']['save_GBps_total']} (ratios to separate "
+                          f"{e['save_ratio_to_separate']}); writer wait one pool "
+                          f"{e['writer_wait_ms']} ms, sharded {e['sharded_writer_wait_ms']} ms;"
+                          f" lock wait per put one pool "
+                          f"{e['one_pool']['lock_wait_ms_per_put']} ms, sharded "
+                          f"{e['sharded_pool']['lock_wait_ms_per_put']} ms", flush=True)
         if "shards" in curves:
             k = max(int(k) for k in args.engines.split(","))
             doc["shards_curve"] = shards_curve(tmp, seconds, k)
@@ -537,6 +578,18 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)
+    ran = sorted(k for k in CURVE_KEYS if k in doc)
+    runs = [{"argv": sys.argv[1:], "curves": ran}]
+    if args.update and os.path.exists(os.path.join(args.out, "scale.json")):
+        with open(os.path.join(args.out, "scale.json")) as f:
+            old = json.load(f)
+        kept = {k: v for k, v in old.items() if k in CURVE_KEYS and k not in doc}
+        runs = [*old.get("runs", [{"argv": old.get("argv"), "curves": sorted(
+            k for k in CURVE_KEYS if k in old)}]), *runs]
+        for r in runs[:-1]:
+            r["curves"] = [c for c in r["curves"] if c in kept]
+        doc = {**kept, **doc}
+    doc["runs"] = [r for r in runs if r["curves"]]
     _results.write(os.path.join(args.out, "scale.json"), "LMDB pool cost vs entries, "
                    "engines per pool, medium; hit cache memory", [], cpus_note=(
                        f"{os.cpu_count()} CPUs: processes beyond that share cores"),
