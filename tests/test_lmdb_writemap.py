@@ -111,3 +111,45 @@ def test_a_grown_file_the_filesystem_cannot_back_stops_saves_not_the_engine(
         be.put_many([(b"c/p", b"c" * 100)])
     assert be.get_many([b"a/p"]) == [b"a" * 100_000]
     be.close()
+
+
+class _CountingEnv:
+    """An LMDB environment whose ``set_mapsize`` calls are counted."""
+
+    def __init__(self, env) -> None:
+        self._env, self.remaps = env, 0
+
+    def set_mapsize(self, size):
+        self.remaps += 1
+        return self._env.set_mapsize(size)
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["fixed", "control-always-remap"])
+def test_a_full_map_is_evicted_without_remapping_it(tmp_path, monkeypatch, old):
+    # LMDB's set_mapsize remaps the file even at the same size, and every
+    # page then faults in again (a sharded pool's small shards fill often):
+    # a full map whose file did not grow is evicted, never remapped
+    be = LmdbBackend(str(tmp_path / "pool"), 8 * MiB)
+    assert be.writemap
+    if old:  # (the control: the map adopted as before, whether the file grew or not)
+        def adopt_always(self):
+            with self._gate.exclusive():
+                before = self.env.info()["map_size"]
+                self.env.set_mapsize(max(before, lmdb_files.file_size(self._files)))
+                self.map_size = self.env.info()["map_size"]
+            return self.map_size > before
+
+        monkeypatch.setattr(LmdbBackend, "_adopt_map", adopt_always)
+    be.env = env = _CountingEnv(be.env)
+    for i in range(40):
+        be.put_many([(b"g%d/a" % i, os.urandom(500_000))])
+    assert be.evictions > 0
+    assert be.get_many([b"g39/a"])[0] is not None
+    if old:
+        assert env.remaps >= be.evictions
+    else:
+        assert env.remaps == 0
+    be.close()

@@ -28,16 +28,14 @@ smaller than ``capacity`` is refused at startup.  (Writes: :mod:`.generation`.)
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterable
 
 from ...keys import group_of
 from ..base import Backend, BackendError, PoolFull
-from .gate import Gate
+from .gate import Gate, WriterTurn
 from ..generation import REMOVALS, STORES, Generation
 from .eviction import _GROUP, _T, LruEviction
 from .files import file_size, open_environment, unbacked_growth
@@ -66,8 +64,7 @@ class LmdbBackend(Backend):
             logger.info("vllm-layerwise-patch pool: %s was opened with a larger capacity "
                         "(%d bytes) by another engine; sharing it", path, self.map_size)
         self._gate = Gate()
-        self._lock = threading.Lock()  # (puts: :meth:`_writer`)
-        self.writer_wait_seconds = 0.0
+        self._turn = WriterTurn(self._files.dir.fd)  # (puts take turns)
         self.eviction = LruEviction(self.env, (self.groups, self.lru, self.pins), self._gen,
                                     txn=self._txn, pinned=self._pinned, drop=self._drop,
                                     map_size=lambda: self.map_size, fraction=evict_fraction)
@@ -78,6 +75,11 @@ class LmdbBackend(Backend):
     def evictions(self) -> int:
         """Eviction rounds this process ran."""
         return self.eviction.evictions
+
+    @property
+    def writer_wait_seconds(self) -> float:
+        """Time puts spent blocked waiting for the writer's turn."""
+        return self._turn.wait_seconds
 
     @property
     def evicted_groups(self) -> int:
@@ -103,7 +105,11 @@ class LmdbBackend(Backend):
             self._adopt_map()
 
     def _adopt_map(self) -> bool:
-        """Take the map size another process grew the pool to; True if grown."""
+        """Take the map size another process grew the pool to; True if grown.
+        (writemap: only when the file grew - LMDB remaps even at the same
+        size, and every page of the map then faults in again.)"""
+        if self.writemap and file_size(self._files) <= self.env.info()["map_size"]:
+            return False
         with self._gate.exclusive():
             before = self.env.info()["map_size"]
             # writemap: never below the file (LMDB would truncate it under other
@@ -247,35 +253,9 @@ class LmdbBackend(Backend):
         self._put(items, wait=True)
 
     def try_put_many(self, items: list[tuple[bytes, bytes]]) -> bool:
-        """:meth:`put_many` if this environment's writer is free now; False,
-        writing nothing, when another put (thread or process) holds it - a
-        sharded pool writes its other shards meanwhile (:mod:`.sharded`)."""
+        """:meth:`put_many` if the writer is free now; else False, writing
+        nothing (a sharded pool writes its other shards meanwhile)."""
         return self._put(items, wait=False)
-
-    @contextlib.contextmanager
-    def _writer(self, wait: bool):
-        """The writer's turn among puts: this process's lock, then a ``flock``
-        on the pool directory (other processes' puts: LMDB's writer mutex
-        cannot be tried).  False when busy and not ``wait``."""
-        t0 = time.perf_counter()
-        if not self._lock.acquire(blocking=wait):
-            yield False
-            return
-        try:
-            fd = self._files.dir.fd
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            if wait:
-                self.writer_wait_seconds += time.perf_counter() - t0
-            try:
-                yield True
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            self._lock.release()
 
     def _put(self, items: list[tuple[bytes, bytes]], wait: bool) -> bool:
         if not items:
@@ -287,7 +267,7 @@ class LmdbBackend(Backend):
         need = sum(len(k) + len(v) for k, v in items)
         if need > self.capacity // 2:
             raise PoolFull(f"a batch of {need} bytes cannot fit a pool of {self.capacity}")
-        with self._writer(wait) as turn:
+        with self._turn(wait) as turn:
             if not turn:
                 return False
             self.calls["put"] += 1
