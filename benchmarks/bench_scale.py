@@ -62,6 +62,14 @@ NS = b"S" * 16
 BLOCK, HIT = 640, 16
 TINY = 64  # bytes per page in the entries curve
 PAGE = 160 << 10  # bytes per page in the engines and medium curves
+#: the engines and shards curves: every process saves this long, untimed, before
+#: its timed window, so a layout's pools are full and evicting when timing
+#: starts (a pool's first fill runs several times slower: every page's first
+#: touch) - the steady state of a pool in use
+WARM_S = 4.0
+#: the pool capacity of the engines and shards curves (all layouts alike:
+#: a pool each gets its share), small enough for WARM_S to fill it
+ENGINES_CAPACITY = 512 << 20
 
 
 def _hash(i: int) -> bytes:
@@ -215,9 +223,16 @@ def _worker(path: str, cap: int, shards: int, seconds: float, start: float, q,
     pid = os.getpid()
     while time.time() < start:
         time.sleep(0.001)
+    i = 0
+    while time.time() < start + WARM_S:  # fill (first touch of every page) and evict
+        try:
+            be.put_many([kv for b in range(4) for kv in _block(_hash(pid * 10**6 + i * 4 + b),
+                                                                 payload)])
+        except PoolFull:
+            pass
+        i += 1
     saved = loaded = skipped = 0
     put_s, waits = [], []
-    i = 0
     end = time.time() + seconds
     while time.time() < end:
         items = [kv for b in range(4) for kv in _block(_hash(pid * 10**6 + i * 4 + b),
@@ -255,7 +270,7 @@ def _concurrent(paths: list[str], cap: int, seconds: float, shards: int = 1,
              for p in paths]
     for p in procs:
         p.start()
-    res = [q.get(timeout=seconds + 120) for _ in procs]
+    res = [q.get(timeout=seconds + WARM_S + 120) for _ in procs]
     for p in procs:
         p.join()
     for p in set(paths):
@@ -294,7 +309,7 @@ def engines_curve(tmp: str, seconds: float, counts: tuple[int, ...], shards: int
     within a round (the machine's noise falls on every layout alike); each
     figure from the round of median save rate.  ``forward_s``: each process
     sleeps that long after each save and read (an engine's forward)."""
-    cap = 2 << 30
+    cap = ENGINES_CAPACITY
     layouts = {"one_pool": lambda k: ([os.path.join(tmp, f"shared{k}")] * k, cap, 1),
                "sharded_pool": lambda k: ([os.path.join(tmp, f"sharded{k}")] * k, cap, shards),
                "separate_pools": lambda k: ([os.path.join(tmp, f"sep{k}-{i}")
@@ -325,7 +340,7 @@ def shards_curve(tmp: str, seconds: float, processes: int,
                  counts: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[dict]:
     """``processes`` saving at once on one pool of each shard count (the
     default's choice), and on a pool each for the reference."""
-    cap = 2 << 30
+    cap = ENGINES_CAPACITY
     sep = _concurrent([os.path.join(tmp, f"ref-{i}") for i in range(processes)],
                       cap // processes, seconds)
     out = []
