@@ -118,6 +118,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--admission", default="all",
                    help="pool admission rules to compare at every capacity (comma-separated: "
                         "all,reused; 'all' is the pool@CAP runs)")
+    t.add_argument("--cluster", default="",
+                   help="also replay on two engines sharing a pool, one run per backend "
+                        "(comma-separated: lmdb,mooncake,tiered; bench.cluster)")
+    t.add_argument("--cluster-capacity", default="256MiB",
+                   help="--cluster: the pool's capacity (lmdb), Mooncake's segment holder "
+                        "(mooncake, tiered's far tier)")
+    t.add_argument("--near-capacity", default="48MiB",
+                   help="--cluster: each engine's near tier (tiered)")
     t.add_argument("--exact-check", type=int, default=0, metavar="M",
                    help="then replay the first M requests at concurrency 1 on hbm and the "
                         "largest pool: their tokens must be equal")
@@ -266,6 +274,18 @@ def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
         raise SystemExit(f"bench --trace: {exc}") from None
     if not reqs:
         raise SystemExit("bench --trace: the selection is empty")
+    cluster = None
+    if ns.cluster:
+        from .cluster import names
+        from ..pool.config import parse_size
+
+        cluster = ([b for b in ns.cluster.split(",") if b], ns.cluster_capacity,
+                   ns.near_capacity)
+        try:
+            names(*cluster)
+            parse_size(ns.cluster_capacity), parse_size(ns.near_capacity)
+        except ValueError as exc:
+            raise SystemExit(f"bench --trace: {exc}") from None
     setup = ReplaySetup(model=model, work=Path(work), requests=reqs, scale=ns.scale,
                         output_cap=ns.output_cap, concurrency=ns.concurrency,
                         time_scale=ns.time_scale, kv_cache_bytes=ns.kv_cache_bytes,
@@ -274,7 +294,8 @@ def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
                         torch_kernels=not ns.gpu and ns.cpu_kernels != "triton")
     doc = run_all(setup, [c for c in ns.capacities.split(",") if c], restart=ns.restart,
                   exact=ns.exact_check, configs=[c for c in ns.configs.split(",") if c],
-                  admission=[a for a in ns.admission.split(",") if a])
+                  admission=[a for a in ns.admission.split(",") if a],
+                  cluster=cluster)
     hbm_tokens = None
     log = Path(work) / "hbm-part0.log"
     if log.exists():
@@ -291,7 +312,9 @@ def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
                     ns.max_num_batched_tokens, "capacities": ns.capacities,
                     "output": (f"output_length / {ns.scale}" + (
                         f", at most {ns.output_cap}" if ns.output_cap else "")),
-                    "torch_kernels": setup.torch_kernels, "admission": ns.admission}
+                    "torch_kernels": setup.torch_kernels, "admission": ns.admission,
+                    "cluster": ns.cluster or None, "cluster_capacity": ns.cluster_capacity,
+                    "near_capacity": ns.near_capacity}
     doc["notes"] = NOTES
     doc["command"] = "python -m vllm_layerwise_patch bench " + " ".join(ns.argv)
     return doc

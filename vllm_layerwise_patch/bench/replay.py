@@ -44,7 +44,10 @@ POOL_COUNTERS = ("vllm:layerwise_pool_evictions_total", "vllm:layerwise_pool_ski
                  "vllm:layerwise_pool_failed_loads_total",
                  "vllm:layerwise_pool_hit_tokens_total", "vllm:layerwise_pool_save_bytes_sum",
                  "vllm:layerwise_pool_blocks_saved_total",
-                 "vllm:layerwise_pool_blocks_not_admitted_total")
+                 "vllm:layerwise_pool_blocks_not_admitted_total",
+                 "vllm:layerwise_pool_near_pages_loaded_total",
+                 "vllm:layerwise_pool_far_pages_loaded_total",
+                 "vllm:layerwise_pool_promoted_blocks_total")
 
 
 @dataclasses.dataclass
@@ -93,19 +96,23 @@ def send(url: str, model: str, prompt: list[int], max_tokens: int,
     return {"ttft": ttft, "latency": time.perf_counter() - start, "tokens": tokens}
 
 
-def replay(url: str, model: str, prompts: list[list[int]], max_tokens: list[int], *,
-           concurrency: int = 1, timestamps_s: list[float] | None = None) -> list[dict]:
-    """Send every prompt; closed loop at ``concurrency`` (in order), or open
-    loop at ``timestamps_s`` (seconds from the replay's start)."""
+def replay(url: str | list[str], model: str, prompts: list[list[int]],
+           max_tokens: list[int], *, concurrency: int = 1,
+           timestamps_s: list[float] | None = None) -> list[dict]:
+    """Send every prompt (request ``i`` to ``url[i mod len(url)]`` when a
+    list); closed loop at ``concurrency`` (in order), or open loop at
+    ``timestamps_s`` (seconds from the replay's start)."""
+    urls = [url] if isinstance(url, str) else list(url)
     if timestamps_s is None:
         with cf.ThreadPoolExecutor(concurrency) as ex:
-            return list(ex.map(lambda a: send(url, model, *a), zip(prompts, max_tokens)))
+            return list(ex.map(lambda i: send(urls[i % len(urls)], model, prompts[i],
+                                              max_tokens[i]), range(len(prompts))))
     t0 = time.perf_counter()
 
     def at(i: int) -> dict[str, Any]:
         arrival = t0 + timestamps_s[i]
         time.sleep(max(0.0, arrival - time.perf_counter()))
-        return send(url, model, prompts[i], max_tokens[i], arrival)
+        return send(urls[i % len(urls)], model, prompts[i], max_tokens[i], arrival)
 
     with cf.ThreadPoolExecutor(min(256, len(prompts)) or 1) as ex:
         return list(ex.map(at, range(len(prompts))))
@@ -218,10 +225,14 @@ def equal_fraction(mine: list[list[int]], ref: list[list[int]]) -> dict[str, Any
 
 def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
             exact: int = 0, configs: list[str] | None = None,
-            admission: list[str] | None = None) -> dict[str, Any]:
+            admission: list[str] | None = None,
+            cluster: tuple[list[str], str, str] | None = None) -> dict[str, Any]:
     """Every configuration; token equality against ``hbm`` (the no-pool
     replay); the capacity sweep; the exact check's verdict; with
-    ``admission``, the admission rules side by side."""
+    ``admission``, the admission rules side by side; with ``cluster``
+    (backends, capacity, near-tier capacity), two engines per backend
+    (:mod:`.cluster`)."""
+    from . import cluster as two
     from .admission import compare
     from tqdm import tqdm
 
@@ -235,12 +246,17 @@ def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
         todo += [("hbm+restart", None, True, 0), (f"pool@{caps[-1]}+restart", caps[-1], True, 0)]
     rules = [a for a in admission or () if a != "all"]
     todo += [(f"pool@{c}/{a}", c, False, 0) for a in rules for c in caps]
+    pairs = dict(two.names(*cluster)) if cluster else {}
+    todo += [(name, cluster[1], False, 0) for name in pairs]
     if configs:
         todo = [t for t in todo if t[0] in configs]
     results: dict[str, dict[str, Any]] = {}
     for name, cap, rs, ex in tqdm(todo, desc="bench --trace", unit="config"):
         rule = name.partition("/")[2]
         try:
+            if name in pairs:
+                results[name] = two.run_cluster(s, name, pairs[name], cap, cluster[2])
+                continue
             results[name] = run_config(s, name, cap, restart=rs, exact=ex,
                                        pool_extra={"admission": rule} if rule else None)
         except Exception as exc:  # noqa: BLE001 - reported in the summary
@@ -249,6 +265,8 @@ def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
             results[name]["capacity_bytes"] = parse_size(cap)
         shutil.rmtree(s.work / f"pool-{name.replace('/', '-')}", ignore_errors=True)
     doc = finish(results, caps, exact)
+    if pairs:
+        doc["cluster"] = two.verdict(doc["results"])
     if rules:
         doc["admission"] = compare(doc["results"], caps, ["all", *rules])
     return doc

@@ -94,7 +94,10 @@ def markdown(doc: dict[str, Any]) -> str:
                   f"**{eq['equal']}/{eq['of']}** requests with the same tokens.", ""]
     from .admission import markdown as admission_markdown
 
+    from .cluster import markdown as cluster_markdown
+
     lines += admission_markdown(doc.get("admission") or [])
+    lines += cluster_markdown(doc)
     lines += ["## Reading it", "", *doc.get("notes", []), ""]
     return "\n".join(lines)
 

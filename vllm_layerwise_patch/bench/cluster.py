@@ -1,0 +1,166 @@
+"""``bench --trace FILE --cluster lmdb,mooncake,tiered``: the replay on two
+engines (two ``vllm serve`` processes) sharing one pool, requests
+alternating between them (request ``i`` to engine ``i mod 2``: a session's
+turns move between engines, so reuse crosses them):
+
+* ``2x lmdb@CAP``: one embedded pool both engines open (one node's pool);
+* ``2x mooncake@CAP``: Mooncake Store alone - a loopback master and a
+  segment holder of ``CAP`` bytes; every hit is read through the transfer
+  engine;
+* ``2x tiered@NEAR/CAP``: each engine with an embedded near tier of its own
+  (``NEAR`` bytes: two nodes) in front of that Mooncake - a hit is read
+  near when the near tier holds it, else far (then promoted).
+
+Each configuration starts on an empty pool and a fresh master.  Hit tokens
+by tier: the pool's hit tokens split as the pages the workers loaded from
+each tier (``near_pages_loaded`` / ``far_pages_loaded``; every block has the
+same pages, so pages split as tokens do).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from typing import Any
+
+from .replay import POOL_COUNTERS, ReplaySetup, _counters, _server, replay, summarize
+from .server import SOURCES
+
+BACKENDS = ("lmdb", "mooncake", "tiered")
+ENGINES = 2
+
+
+def names(backends: list[str], capacity: str, near: str) -> list[tuple[str, str]]:
+    """(configuration name, backend) for each of ``backends``."""
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad:
+        raise ValueError(f"--cluster: unknown backend {bad[0]!r} (one of {', '.join(BACKENDS)})")
+    return [(f"{ENGINES}x tiered@{near}/{capacity}" if b == "tiered"
+             else f"{ENGINES}x {b}@{capacity}", b) for b in backends]
+
+
+def _pool(s: ReplaySetup, backend: str, engine: int, capacity: str, near: str,
+          master: str | None) -> dict[str, Any]:
+    if backend == "lmdb":
+        return {"path": str(s.work / "pool-2x-lmdb"), "capacity": capacity}
+    mooncake = {"master_address": master, "global_segment_size": 0,
+                "local_buffer_size": "32MiB"}
+    if backend == "mooncake":
+        return {"backend": "mooncake", "mooncake": mooncake}
+    return {"backend": "tiered", "path": str(s.work / f"pool-2x-near-{engine}"),
+            "capacity": near, "mooncake": mooncake}
+
+
+def run_cluster(s: ReplaySetup, name: str, backend: str, capacity: str,
+                near: str) -> dict[str, Any]:
+    """Replay the selection on two engines of ``backend``: the replay's
+    figures (both engines' counters summed) and the hit tokens by tier."""
+    from ..mooncake_local import LocalMooncake, free_port
+    from ..pool.config import parse_size
+
+    for i in range(ENGINES):
+        shutil.rmtree(s.work / f"pool-2x-near-{i}", ignore_errors=True)
+    shutil.rmtree(s.work / "pool-2x-lmdb", ignore_errors=True)
+    mc = None
+    if backend != "lmdb":
+        mc = LocalMooncake(s.work / f"mooncake-{backend}", rpc_port=free_port(),
+                           metrics_port=free_port(), holder=parse_size(capacity),
+                           holder_port=free_port()).start()
+    try:
+        servers = [_server(s, name, f"engine{i}", _pool(
+            s, backend, i, capacity, near, mc.master_address if mc else None))
+            for i in range(ENGINES)]
+        try:
+            for server in servers:
+                server.wait_ready()
+            before = [_counters(x) for x in servers]
+            t = time.perf_counter()
+            outs = replay([x.url for x in servers], s.model, s.prompts(), s.max_tokens(),
+                          concurrency=s.concurrency)
+            seconds = time.perf_counter() - t
+            after = [_counters(x) for x in servers]
+            used = (sum(x.counter("vllm:layerwise_pool_used_bytes") for x in servers[:1])
+                    if backend == "lmdb" else None)
+        finally:
+            for server in servers:
+                server.stop()
+    finally:
+        if mc is not None:
+            mc.stop()
+    totals = {k: sum(a[k] - b[k] for a, b in zip(after, before))
+              for k in (*SOURCES, *POOL_COUNTERS)}
+    out = summarize(outs, totals, seconds)
+    pool_tokens = out["prompt_tokens_by_source"]["external_kv_transfer"]
+    near_pages, far_pages = out["pool"]["near_pages_loaded"], out["pool"]["far_pages_loaded"]
+    share = near_pages / (near_pages + far_pages) if near_pages + far_pages else None
+    out.update(engines=ENGINES, backend=backend, capacity_bytes=parse_size(capacity),
+               pool_used_bytes=used)
+    if backend == "tiered":
+        out["near_capacity_bytes"] = parse_size(near)
+        out["near_share"] = share
+        out["hit_tokens_by_tier"] = (None if share is None else {
+            "near": pool_tokens * share, "far": pool_tokens * (1 - share)})
+    for i in range(ENGINES):
+        shutil.rmtree(s.work / f"pool-2x-near-{i}", ignore_errors=True)
+    shutil.rmtree(s.work / "pool-2x-lmdb", ignore_errors=True)
+    return out
+
+
+def verdict(results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Tiered against Mooncake alone: the near tier's share of the pool's hit
+    tokens, its size against the saved working set (what ``2x lmdb`` held,
+    when it evicted nothing), and the TTFT p50 ratio."""
+    pick = {r.get("backend"): r for r in results.values()
+            if r.get("engines") == ENGINES and not r.get("error")}
+    tiered, mooncake, lmdb = pick.get("tiered"), pick.get("mooncake"), pick.get("lmdb")
+    if not tiered or not mooncake:
+        return None
+    working = (lmdb or {}).get("pool_used_bytes") if not (lmdb or {}).get(
+        "pool", {}).get("evictions") else None
+    p50 = tiered["ttft_s"]["p50"], mooncake["ttft_s"]["p50"]
+    return {"near_share": tiered.get("near_share"),
+            "near_capacity_bytes": tiered["near_capacity_bytes"],
+            "working_set_bytes": working,
+            "near_fraction_of_working_set": (tiered["near_capacity_bytes"] / working
+                                             if working else None),
+            "ttft_p50_ratio_tiered_to_mooncake": (p50[0] / p50[1] if all(p50) else None),
+            "hit_rate": {k: r["hit_rate"]["hbm"] + r["hit_rate"]["pool"]
+                         for k, r in pick.items()}}
+
+
+def markdown(doc: dict[str, Any]) -> list[str]:
+    rows = {n: r for n, r in doc["results"].items() if r.get("engines") == ENGINES}
+    if not rows:
+        return []
+    from .report import _fmt
+
+    lines = [f"## {ENGINES} engines sharing a pool", "",
+             "Requests alternate between two `vllm serve` engines (a session's turns move "
+             "between them). `tiered`: each engine its own near tier in front of one "
+             "Mooncake (two nodes); `mooncake`: every hit read from Mooncake; `lmdb`: one "
+             "embedded pool for both (one node).", "",
+             "| config | HBM hit | pool hit | of it from the near tier | TTFT p50 | p90 (s) "
+             "| replay s | promoted blocks | same tokens as hbm |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if r.get("error"):
+            lines.append(f"| {name} | error: {r['error'][:160]} |" + " |" * 7)
+            continue
+        h, eq = r["hit_rate"], r.get("same_tokens_as_hbm") or {}
+        near = r.get("near_share")
+        lines.append(f"| {name} | {h['hbm']:.1%} | {h['pool']:.1%} | "
+                     f"{'-' if near is None else f'{near:.1%}'} | {_fmt(r['ttft_s']['p50'])} | "
+                     f"{_fmt(r['ttft_s']['p90'])} | {_fmt(r['seconds'], 1)} | "
+                     f"{_fmt(r['pool'].get('promoted_blocks', 0), 0)} | "
+                     f"{eq.get('equal', '-')}/{eq.get('of', '-')} |")
+    v = doc.get("cluster")
+    if v and v.get("near_share") is not None:
+        ws = v.get("near_fraction_of_working_set")
+        ratio = v.get("ttft_p50_ratio_tiered_to_mooncake")
+        lines += ["", f"Tiered against Mooncake alone: the near tier served "
+                  f"**{v['near_share']:.1%}** of the pool's hit tokens, holding "
+                  f"{v['near_capacity_bytes'] / (1 << 20):.0f} MiB"
+                  + (f" = {ws:.0%} of the saved working set (what `2x lmdb` held)"
+                     if ws else "") + "; TTFT p50 tiered / Mooncake "
+                  + ("-" if ratio is None else f"**{ratio:.2f}**") + "."]
+    return lines + [""]
