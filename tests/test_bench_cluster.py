@@ -58,7 +58,7 @@ def _run(backend, p50, pool, near=None, evictions=0.0, used=None):
          "pool": {"evictions": evictions, "promoted_blocks": 7.0 if near else 0.0},
          "capacity_bytes": 256 << 20, "pool_used_bytes": used}
     if near is not None:
-        r.update(near_share=near, near_capacity_bytes=48 << 20)
+        r.update(near_share=near, near_share_of_loads=0.9, near_capacity_bytes=48 << 20)
     return r
 
 
@@ -74,9 +74,9 @@ def test_the_tiered_verdict_and_its_summary():
     assert v["ttft_p50_ratio_tiered_to_mooncake"] == 0.75
     assert v["near_fraction_of_working_set"] == pytest.approx(48 / 160)
     text = "\n".join(markdown({"results": results, "cluster": v}))
-    assert "| 2x tiered@48MiB/256MiB | 30.0% | 30.0% | 62.5% |" in text
-    assert "| 2x mooncake@256MiB | 30.0% | 30.0% | - |" in text
-    assert "served **62.5%** of the pool's hit tokens" in text
+    assert "| 2x tiered@48MiB/256MiB | 30.0% | 30.0% | 62.5% | 90.0% |" in text
+    assert "| 2x mooncake@256MiB | 30.0% | 30.0% | - | - |" in text
+    assert "found **62.5%** of the pool's hit tokens in the near tier" in text
     assert "= 30% of the saved working set" in text and "**0.75**" in text
     # an lmdb run that evicted does not stand for the working set
     results["2x lmdb@256MiB"]["pool"]["evictions"] = 3.0

@@ -427,6 +427,7 @@ def test_the_scheduler_reports_its_promotions_once():
     first = stats.take().data
     assert first["promoted_blocks"] == 3 and first["promotions_refused"] == 1
     assert first["near_pages_loaded"] == 0  # (the workers report their loads' pages)
+    assert first["near_pages_verified"] == 40  # (the scheduler's reads: verification)
     backend.tier_counts = dict(backend.tier_counts, promoted_blocks=5)
     assert stats.take().data["promoted_blocks"] == 2
     assert stats.take() is None  # nothing new

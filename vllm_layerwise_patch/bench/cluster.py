@@ -12,9 +12,13 @@ turns move between engines, so reuse crosses them):
   near when the near tier holds it, else far (then promoted).
 
 Each configuration starts on an empty pool and a fresh master.  Hit tokens
-by tier: the pool's hit tokens split as the pages the workers loaded from
-each tier (``near_pages_loaded`` / ``far_pages_loaded``; every block has the
-same pages, so pages split as tokens do).
+by tier: the pool's hit tokens split as the pages the scheduler's lookups
+found - and verified - in each tier (``near_pages_verified`` /
+``far_pages_verified``: a block found only far crosses the network there,
+and is promoted, so its load then reads it near; every block has the same
+pages, so pages split as tokens do).  The pages the workers loaded from
+each tier (``near_pages_loaded`` / ``far_pages_loaded``) are reported
+beside it.
 """
 
 from __future__ import annotations
@@ -91,13 +95,15 @@ def run_cluster(s: ReplaySetup, name: str, backend: str, capacity: str,
               for k in (*SOURCES, *POOL_COUNTERS)}
     out = summarize(outs, totals, seconds)
     pool_tokens = out["prompt_tokens_by_source"]["external_kv_transfer"]
-    near_pages, far_pages = out["pool"]["near_pages_loaded"], out["pool"]["far_pages_loaded"]
+    near_pages, far_pages = out["pool"]["near_pages_verified"], out["pool"]["far_pages_verified"]
     share = near_pages / (near_pages + far_pages) if near_pages + far_pages else None
+    loaded = out["pool"]["near_pages_loaded"] + out["pool"]["far_pages_loaded"]
     out.update(engines=ENGINES, backend=backend, capacity_bytes=parse_size(capacity),
                pool_used_bytes=used)
     if backend == "tiered":
         out["near_capacity_bytes"] = parse_size(near)
         out["near_share"] = share
+        out["near_share_of_loads"] = out["pool"]["near_pages_loaded"] / loaded if loaded else None
         out["hit_tokens_by_tier"] = (None if share is None else {
             "near": pool_tokens * share, "far": pool_tokens * (1 - share)})
     for i in range(ENGINES):
@@ -139,17 +145,18 @@ def markdown(doc: dict[str, Any]) -> list[str]:
              "between them). `tiered`: each engine its own near tier in front of one "
              "Mooncake (two nodes); `mooncake`: every hit read from Mooncake; `lmdb`: one "
              "embedded pool for both (one node).", "",
-             "| config | HBM hit | pool hit | of it from the near tier | TTFT p50 | p90 (s) "
-             "| replay s | promoted blocks | same tokens as hbm |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| config | HBM hit | pool hit | of it found near | pages loaded near | TTFT p50 "
+             "| p90 (s) | replay s | promoted blocks | same tokens as hbm |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if r.get("error"):
-            lines.append(f"| {name} | error: {r['error'][:160]} |" + " |" * 7)
+            lines.append(f"| {name} | error: {r['error'][:160]} |" + " |" * 8)
             continue
         h, eq = r["hit_rate"], r.get("same_tokens_as_hbm") or {}
-        near = r.get("near_share")
+        near, loads = r.get("near_share"), r.get("near_share_of_loads")
         lines.append(f"| {name} | {h['hbm']:.1%} | {h['pool']:.1%} | "
-                     f"{'-' if near is None else f'{near:.1%}'} | {_fmt(r['ttft_s']['p50'])} | "
+                     f"{'-' if near is None else f'{near:.1%}'} | "
+                     f"{'-' if loads is None else f'{loads:.1%}'} | {_fmt(r['ttft_s']['p50'])} | "
                      f"{_fmt(r['ttft_s']['p90'])} | {_fmt(r['seconds'], 1)} | "
                      f"{_fmt(r['pool'].get('promoted_blocks', 0), 0)} | "
                      f"{eq.get('equal', '-')}/{eq.get('of', '-')} |")
@@ -157,8 +164,10 @@ def markdown(doc: dict[str, Any]) -> list[str]:
     if v and v.get("near_share") is not None:
         ws = v.get("near_fraction_of_working_set")
         ratio = v.get("ttft_p50_ratio_tiered_to_mooncake")
-        lines += ["", f"Tiered against Mooncake alone: the near tier served "
-                  f"**{v['near_share']:.1%}** of the pool's hit tokens, holding "
+        lines += ["", f"Tiered against Mooncake alone: the lookups found "
+                  f"**{v['near_share']:.1%}** of the pool's hit tokens in the near tier "
+                  "(the rest crossed from Mooncake once, at the lookup, and was promoted), "
+                  "holding "
                   f"{v['near_capacity_bytes'] / (1 << 20):.0f} MiB"
                   + (f" = {ws:.0%} of the saved working set (what `2x lmdb` held)"
                      if ws else "") + "; TTFT p50 tiered / Mooncake "

@@ -47,7 +47,9 @@ POOL_COUNTERS = ("vllm:layerwise_pool_evictions_total", "vllm:layerwise_pool_ski
                  "vllm:layerwise_pool_blocks_not_admitted_total",
                  "vllm:layerwise_pool_near_pages_loaded_total",
                  "vllm:layerwise_pool_far_pages_loaded_total",
-                 "vllm:layerwise_pool_promoted_blocks_total")
+                 "vllm:layerwise_pool_promoted_blocks_total",
+                 "vllm:layerwise_pool_near_pages_verified_total",
+                 "vllm:layerwise_pool_far_pages_verified_total")
 
 
 @dataclasses.dataclass

@@ -110,6 +110,14 @@ METRICS: tuple[Metric, ...] = (
            "share of what hits read."),
     Metric("far_pages_loaded", "counter", "far_pages_loaded",
            "Backend `tiered`: pages the workers loaded from the far tier (Mooncake)."),
+    Metric("far_pages_verified", "counter", "far_pages_verified",
+           "Backend `tiered`: pages the scheduler's lookups read from the far tier "
+           "(Mooncake) to verify a hit (`verify_on_lookup`) - where a hit found only far "
+           "crosses the network; what they read is promoted, so the load then finds it "
+           "near."),
+    Metric("near_pages_verified", "counter", "near_pages_verified",
+           "Backend `tiered`: pages the scheduler's lookups read from the near tier to "
+           "verify a hit."),
     Metric("promoted_blocks", "counter", "promoted_blocks",
            "Backend `tiered`: blocks (of one kind on one TP rank) read from the far tier "
            "and written into the near tier (`tiered.promote`)."),

@@ -29,7 +29,8 @@ COUNTERS = ("hit_tokens", "bytes_loaded", "load_seconds", "wait_seconds",
             # the tiered backend's (backends.tiered): each side its own
             "near_pages_loaded", "far_pages_loaded", "promoted_blocks",
             "promotions_dropped", "promotions_refused", "promotions_failed",
-            "near_save_failures", "far_save_failures",
+            "near_save_failures", "far_save_failures", "near_pages_verified",
+            "far_pages_verified",
             # the scheduler's: once per engine whatever the TP size
             "lookup_hit_tokens", "lookup_hit_blocks", "shared_load_waits",
             "shared_load_timeouts", "blocks_not_admitted", "blocks_over_budget")
@@ -123,7 +124,9 @@ class PoolStats(KVConnectorStats):
             "Blocks over the save budget": int(d["blocks_over_budget"]),
         } | ({"Pages loaded from the near tier": int(d["near_pages_loaded"]),
               "Pages loaded from the far tier": int(d["far_pages_loaded"]),
-              "Blocks promoted into the near tier": int(d["promoted_blocks"])}
+              "Blocks promoted into the near tier": int(d["promoted_blocks"]),
+              "Pages lookups verified from the far tier": int(d["far_pages_verified"])}
              if d["near_pages_loaded"] or d["far_pages_loaded"] or d["promoted_blocks"]
+             or d["far_pages_verified"]
              else {}) | ({"Pool used (GB)": round(d["pool_used_bytes"] / gb, 4)}
              if "pool_used_bytes" in d else {})

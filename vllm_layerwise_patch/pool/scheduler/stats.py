@@ -24,8 +24,13 @@ DELTAS = {"waits": "shared_load_waits", "timeouts": "shared_load_timeouts",
           "not_admitted": "blocks_not_admitted", "over_budget": "blocks_over_budget"}
 #: the tiered backend's counts of the scheduler's own reads (its lookups'
 #: verification promotes far-tier hits); the workers report their loads'
-_SCHEDULER_TIER = ("promoted_blocks", "promotions_dropped", "promotions_refused",
-                   "promotions_failed")
+_SCHEDULER_TIER = {"promoted_blocks": "promoted_blocks",
+                   "promotions_dropped": "promotions_dropped",
+                   "promotions_refused": "promotions_refused",
+                   "promotions_failed": "promotions_failed",
+                   # (its reads are the lookups' verifications, not loads)
+                   "near_pages_loaded": "near_pages_verified",
+                   "far_pages_loaded": "far_pages_verified"}
 
 
 class SchedulerSideStats:
@@ -60,10 +65,11 @@ class SchedulerSideStats:
                 out[counter] = n - self._sent[name]
                 self._sent[name] = n
         tiers = getattr(self.backend, "tier_counts", None)  # (backend tiered: promotions)
-        for name in _SCHEDULER_TIER if tiers else ():
-            if tiers[name] != self._sent.get(name, 0):
-                out[name] = tiers[name] - self._sent.get(name, 0)
-                self._sent[name] = tiers[name]
+        for name, counter in _SCHEDULER_TIER.items() if tiers else ():
+            n = tiers.get(name, 0)
+            if n != self._sent.get(name, 0):
+                out[counter] = n - self._sent.get(name, 0)
+                self._sent[name] = n
         now = time.monotonic()
         if now >= self._next_fill:
             self._next_fill = now + self.interval
