@@ -97,3 +97,19 @@ def test_bad_cluster_arguments_are_refused(tmp_path, args, msg):
     trace.write_text(TRACE + "\n" + TRACE.replace('"timestamp": 0', '"timestamp": 5') + "\n")
     with pytest.raises(SystemExit, match=msg):
         main(["--trace", str(trace), "--model", "x", "--out", str(tmp_path / "o"), *args])
+
+
+def test_session_routing_keeps_a_sessions_requests_on_one_engine():
+    from pathlib import Path
+
+    from vllm_layerwise_patch.bench import trace as tr
+    from vllm_layerwise_patch.bench.cluster import routes
+    from vllm_layerwise_patch.bench.replay import ReplaySetup
+
+    line = '{{"timestamp": {t}, "input_length": 600, "output_length": 1, "hash_ids": {ids}}}'
+    reqs = tr.parse([line.format(t=t, ids=ids) for t, ids in enumerate(
+        ([0, 1], [0, 2], [0, 1, 5], [0, 3], [0, 2, 6], [0, 1, 7]))])
+    s = ReplaySetup(model="m", work=Path("."), requests=reqs)
+    assert routes(s, "alternate") == [0, 1, 0, 1, 0, 1]
+    # sessions [0,1] -> engine 0, [0,2] -> 1, [0,3] -> 0 (in order of first arrival)
+    assert routes(s, "session") == [0, 1, 0, 0, 1, 0]

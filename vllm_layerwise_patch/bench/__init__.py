@@ -126,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(mooncake, tiered's far tier)")
     t.add_argument("--near-capacity", default="48MiB",
                    help="--cluster: each engine's near tier (tiered)")
+    t.add_argument("--cluster-routing", default="alternate", choices=("alternate", "session"),
+                   help="--cluster: requests alternate between the engines, or each "
+                        "session's go to one (session affinity)")
     t.add_argument("--exact-check", type=int, default=0, metavar="M",
                    help="then replay the first M requests at concurrency 1 on hbm and the "
                         "largest pool: their tokens must be equal")
@@ -274,18 +277,9 @@ def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
         raise SystemExit(f"bench --trace: {exc}") from None
     if not reqs:
         raise SystemExit("bench --trace: the selection is empty")
-    cluster = None
-    if ns.cluster:
-        from .cluster import names
-        from ..pool.config import parse_size
+    from .cluster import from_args
 
-        cluster = ([b for b in ns.cluster.split(",") if b], ns.cluster_capacity,
-                   ns.near_capacity)
-        try:
-            names(*cluster)
-            parse_size(ns.cluster_capacity), parse_size(ns.near_capacity)
-        except ValueError as exc:
-            raise SystemExit(f"bench --trace: {exc}") from None
+    cluster = from_args(ns)
     setup = ReplaySetup(model=model, work=Path(work), requests=reqs, scale=ns.scale,
                         output_cap=ns.output_cap, concurrency=ns.concurrency,
                         time_scale=ns.time_scale, kv_cache_bytes=ns.kv_cache_bytes,
@@ -295,7 +289,7 @@ def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
     doc = run_all(setup, [c for c in ns.capacities.split(",") if c], restart=ns.restart,
                   exact=ns.exact_check, configs=[c for c in ns.configs.split(",") if c],
                   admission=[a for a in ns.admission.split(",") if a],
-                  cluster=cluster)
+                  cluster=cluster, routing=ns.cluster_routing)
     hbm_tokens = None
     log = Path(work) / "hbm-part0.log"
     if log.exists():
@@ -314,7 +308,7 @@ def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
                         f", at most {ns.output_cap}" if ns.output_cap else "")),
                     "torch_kernels": setup.torch_kernels, "admission": ns.admission,
                     "cluster": ns.cluster or None, "cluster_capacity": ns.cluster_capacity,
-                    "near_capacity": ns.near_capacity}
+                    "near_capacity": ns.near_capacity, "cluster_routing": ns.cluster_routing}
     doc["notes"] = NOTES
     doc["command"] = "python -m vllm_layerwise_patch bench " + " ".join(ns.argv)
     return doc

@@ -1,7 +1,9 @@
 """``bench --trace FILE --cluster lmdb,mooncake,tiered``: the replay on two
-engines (two ``vllm serve`` processes) sharing one pool, requests
-alternating between them (request ``i`` to engine ``i mod 2``: a session's
-turns move between engines, so reuse crosses them):
+engines (two ``vllm serve`` processes) sharing one pool, requests routed
+by ``--cluster-routing``: ``alternate`` (request ``i`` to engine ``i mod
+2``: a session's turns move between engines, so reuse crosses them) or
+``session`` (a session's requests to one engine, sessions alternating: what
+a router with session affinity does; only what sessions share crosses):
 
 * ``2x lmdb@CAP``: one embedded pool both engines open (one node's pool);
 * ``2x mooncake@CAP``: Mooncake Store alone - a loopback master and a
@@ -31,7 +33,18 @@ from .replay import POOL_COUNTERS, ReplaySetup, _counters, _server, replay, summ
 from .server import SOURCES
 
 BACKENDS = ("lmdb", "mooncake", "tiered")
+ROUTINGS = ("alternate", "session")
 ENGINES = 2
+
+
+def routes(s: ReplaySetup, routing: str, session_blocks: int = 2) -> list[int]:
+    """The engine of each request of the selection."""
+    if routing == "alternate":
+        return [i % ENGINES for i in range(len(s.requests))]
+    first: dict[tuple[int, ...], int] = {}
+    for r in s.requests:
+        first.setdefault(r.hash_ids[:session_blocks], len(first))
+    return [first[r.hash_ids[:session_blocks]] % ENGINES for r in s.requests]
 
 
 def names(backends: list[str], capacity: str, near: str) -> list[tuple[str, str]]:
@@ -41,6 +54,21 @@ def names(backends: list[str], capacity: str, near: str) -> list[tuple[str, str]
         raise ValueError(f"--cluster: unknown backend {bad[0]!r} (one of {', '.join(BACKENDS)})")
     return [(f"{ENGINES}x tiered@{near}/{capacity}" if b == "tiered"
              else f"{ENGINES}x {b}@{capacity}", b) for b in backends]
+
+
+def from_args(ns: Any) -> tuple[list[str], str, str] | None:
+    """(backends, capacity, near-tier capacity) of ``--cluster``, checked."""
+    from ..pool.config import parse_size
+
+    if not ns.cluster:
+        return None
+    cluster = ([b for b in ns.cluster.split(",") if b], ns.cluster_capacity, ns.near_capacity)
+    try:
+        names(*cluster)
+        parse_size(ns.cluster_capacity), parse_size(ns.near_capacity)
+    except ValueError as exc:
+        raise SystemExit(f"bench --trace: {exc}") from None
+    return cluster
 
 
 def _pool(s: ReplaySetup, backend: str, engine: int, capacity: str, near: str,
@@ -56,7 +84,7 @@ def _pool(s: ReplaySetup, backend: str, engine: int, capacity: str, near: str,
 
 
 def run_cluster(s: ReplaySetup, name: str, backend: str, capacity: str,
-                near: str) -> dict[str, Any]:
+                near: str, routing: str = "alternate") -> dict[str, Any]:
     """Replay the selection on two engines of ``backend``: the replay's
     figures (both engines' counters summed) and the hit tokens by tier."""
     from ..mooncake_local import LocalMooncake, free_port
@@ -80,7 +108,7 @@ def run_cluster(s: ReplaySetup, name: str, backend: str, capacity: str,
             before = [_counters(x) for x in servers]
             t = time.perf_counter()
             outs = replay([x.url for x in servers], s.model, s.prompts(), s.max_tokens(),
-                          concurrency=s.concurrency)
+                          concurrency=s.concurrency, route=routes(s, routing))
             seconds = time.perf_counter() - t
             after = [_counters(x) for x in servers]
             used = (sum(x.counter("vllm:layerwise_pool_used_bytes") for x in servers[:1])
@@ -99,7 +127,7 @@ def run_cluster(s: ReplaySetup, name: str, backend: str, capacity: str,
     share = near_pages / (near_pages + far_pages) if near_pages + far_pages else None
     loaded = out["pool"]["near_pages_loaded"] + out["pool"]["far_pages_loaded"]
     out.update(engines=ENGINES, backend=backend, capacity_bytes=parse_size(capacity),
-               pool_used_bytes=used)
+               pool_used_bytes=used, routing=routing)
     if backend == "tiered":
         out["near_capacity_bytes"] = parse_size(near)
         out["near_share"] = share
@@ -140,9 +168,13 @@ def markdown(doc: dict[str, Any]) -> list[str]:
         return []
     from .report import _fmt
 
+    routing = next(iter(rows.values())).get("routing", "alternate")
     lines = [f"## {ENGINES} engines sharing a pool", "",
-             "Requests alternate between two `vllm serve` engines (a session's turns move "
-             "between them). `tiered`: each engine its own near tier in front of one "
+             ("Requests alternate between two `vllm serve` engines (a session's turns move "
+              "between them)" if routing == "alternate" else
+              "Each session's requests go to one of two `vllm serve` engines, sessions "
+              "alternating (session affinity)") + ". `tiered`: each engine its own near "
+             "tier in front of one "
              "Mooncake (two nodes); `mooncake`: every hit read from Mooncake; `lmdb`: one "
              "embedded pool for both (one node).", "",
              "| config | HBM hit | pool hit | of it found near | pages loaded near | TTFT p50 "

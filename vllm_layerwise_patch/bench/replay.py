@@ -100,11 +100,15 @@ def send(url: str, model: str, prompt: list[int], max_tokens: int,
 
 def replay(url: str | list[str], model: str, prompts: list[list[int]],
            max_tokens: list[int], *, concurrency: int = 1,
-           timestamps_s: list[float] | None = None) -> list[dict]:
-    """Send every prompt (request ``i`` to ``url[i mod len(url)]`` when a
-    list); closed loop at ``concurrency`` (in order), or open loop at
-    ``timestamps_s`` (seconds from the replay's start)."""
+           timestamps_s: list[float] | None = None,
+           route: list[int] | None = None) -> list[dict]:
+    """Send every prompt (request ``i`` to ``url[route[i]]``, by default
+    ``url[i mod len(url)]``, when a list); closed loop at ``concurrency``
+    (in order), or open loop at ``timestamps_s`` (seconds from the replay's
+    start)."""
     urls = [url] if isinstance(url, str) else list(url)
+    if route is not None:
+        urls = [urls[e] for e in route]
     if timestamps_s is None:
         with cf.ThreadPoolExecutor(concurrency) as ex:
             return list(ex.map(lambda i: send(urls[i % len(urls)], model, prompts[i],
@@ -228,7 +232,8 @@ def equal_fraction(mine: list[list[int]], ref: list[list[int]]) -> dict[str, Any
 def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
             exact: int = 0, configs: list[str] | None = None,
             admission: list[str] | None = None,
-            cluster: tuple[list[str], str, str] | None = None) -> dict[str, Any]:
+            cluster: tuple[list[str], str, str] | None = None,
+            routing: str = "alternate") -> dict[str, Any]:
     """Every configuration; token equality against ``hbm`` (the no-pool
     replay); the capacity sweep; the exact check's verdict; with
     ``admission``, the admission rules side by side; with ``cluster``
@@ -257,7 +262,8 @@ def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
         rule = name.partition("/")[2]
         try:
             if name in pairs:
-                results[name] = two.run_cluster(s, name, pairs[name], cap, cluster[2])
+                results[name] = two.run_cluster(s, name, pairs[name], cap, cluster[2],
+                                                routing)
                 continue
             results[name] = run_config(s, name, cap, restart=rs, exact=ex,
                                        pool_extra={"admission": rule} if rule else None)
