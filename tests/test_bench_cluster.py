@@ -69,18 +69,23 @@ def test_the_tiered_verdict_and_its_summary():
                "2x lmdb@256MiB": _run("lmdb", 1.0, 0.3, used=160 << 20),
                "2x mooncake@256MiB": _run("mooncake", 2.0, 0.3),
                "2x tiered@48MiB/256MiB": _run("tiered", 1.5, 0.3, near=0.625)}
-    v = verdict(results)
+    results["2x tiered@96MiB/256MiB"] = _run("tiered", 1.0, 0.3, near=0.9)
+    results["2x tiered@96MiB/256MiB"]["near_capacity_bytes"] = 96 << 20
+    v, v96 = verdict(results)
+    assert v96["config"] == "2x tiered@96MiB/256MiB" and v96["near_share"] == 0.9
+    assert v96["ttft_p50_ratio_tiered_to_mooncake"] == 0.5
     assert v["near_share"] == 0.625
     assert v["ttft_p50_ratio_tiered_to_mooncake"] == 0.75
     assert v["near_fraction_of_working_set"] == pytest.approx(48 / 160)
-    text = "\n".join(markdown({"results": results, "cluster": v}))
+    text = "\n".join(markdown({"results": results, "cluster": [v, v96]}))
     assert "| 2x tiered@48MiB/256MiB | 30.0% | 30.0% | 62.5% | 90.0% |" in text
     assert "| 2x mooncake@256MiB | 30.0% | 30.0% | - | - |" in text
     assert "found **62.5%** of the pool's hit tokens in the near tier" in text
     assert "= 30% of the saved working set" in text and "**0.75**" in text
+    assert "`2x tiered@96MiB/256MiB` against Mooncake alone: the lookups found **90.0%**" in text
     # an lmdb run that evicted does not stand for the working set
     results["2x lmdb@256MiB"]["pool"]["evictions"] = 3.0
-    assert verdict(results)["near_fraction_of_working_set"] is None
+    assert verdict(results)[0]["near_fraction_of_working_set"] is None
     # without the Mooncake run there is nothing to compare
     del results["2x mooncake@256MiB"]
     assert verdict(results) is None

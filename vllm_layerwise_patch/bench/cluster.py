@@ -47,13 +47,19 @@ def routes(s: ReplaySetup, routing: str, session_blocks: int = 2) -> list[int]:
     return [first[r.hash_ids[:session_blocks]] % ENGINES for r in s.requests]
 
 
-def names(backends: list[str], capacity: str, near: str) -> list[tuple[str, str]]:
-    """(configuration name, backend) for each of ``backends``."""
+def names(backends: list[str], capacity: str, near: str) -> list[tuple[str, str, str]]:
+    """(configuration name, backend, near-tier capacity) for each of
+    ``backends`` - for ``tiered``, one per near-tier capacity of ``near``
+    (comma-separated)."""
     bad = [b for b in backends if b not in BACKENDS]
     if bad:
         raise ValueError(f"--cluster: unknown backend {bad[0]!r} (one of {', '.join(BACKENDS)})")
-    return [(f"{ENGINES}x tiered@{near}/{capacity}" if b == "tiered"
-             else f"{ENGINES}x {b}@{capacity}", b) for b in backends]
+    out = []
+    for b in backends:
+        for n in ([x for x in near.split(",") if x] if b == "tiered" else [""]):
+            out.append((f"{ENGINES}x tiered@{n}/{capacity}" if b == "tiered"
+                        else f"{ENGINES}x {b}@{capacity}", b, n))
+    return out
 
 
 def from_args(ns: Any) -> tuple[list[str], str, str] | None:
@@ -65,7 +71,7 @@ def from_args(ns: Any) -> tuple[list[str], str, str] | None:
     cluster = ([b for b in ns.cluster.split(",") if b], ns.cluster_capacity, ns.near_capacity)
     try:
         names(*cluster)
-        parse_size(ns.cluster_capacity), parse_size(ns.near_capacity)
+        [parse_size(x) for x in [ns.cluster_capacity, *ns.near_capacity.split(",")]]
     except ValueError as exc:
         raise SystemExit(f"bench --trace: {exc}") from None
     return cluster
@@ -140,26 +146,29 @@ def run_cluster(s: ReplaySetup, name: str, backend: str, capacity: str,
     return out
 
 
-def verdict(results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """Tiered against Mooncake alone: the near tier's share of the pool's hit
-    tokens, its size against the saved working set (what ``2x lmdb`` held,
-    when it evicted nothing), and the TTFT p50 ratio."""
-    pick = {r.get("backend"): r for r in results.values()
-            if r.get("engines") == ENGINES and not r.get("error")}
-    tiered, mooncake, lmdb = pick.get("tiered"), pick.get("mooncake"), pick.get("lmdb")
+def verdict(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Each tiered run against Mooncake alone: the near tier's share of the
+    pool's hit tokens, its size against the saved working set (what ``2x
+    lmdb`` held, when it evicted nothing), and the TTFT p50 ratio."""
+    runs = [(n, r) for n, r in results.items()
+            if r.get("engines") == ENGINES and not r.get("error")]
+    pick = {r.get("backend"): r for _, r in runs if r.get("backend") != "tiered"}
+    mooncake, lmdb = pick.get("mooncake"), pick.get("lmdb") or {}
+    tiered = [(n, r) for n, r in runs if r.get("backend") == "tiered"]
     if not tiered or not mooncake:
         return None
-    working = (lmdb or {}).get("pool_used_bytes") if not (lmdb or {}).get(
-        "pool", {}).get("evictions") else None
-    p50 = tiered["ttft_s"]["p50"], mooncake["ttft_s"]["p50"]
-    return {"near_share": tiered.get("near_share"),
-            "near_capacity_bytes": tiered["near_capacity_bytes"],
-            "working_set_bytes": working,
-            "near_fraction_of_working_set": (tiered["near_capacity_bytes"] / working
-                                             if working else None),
-            "ttft_p50_ratio_tiered_to_mooncake": (p50[0] / p50[1] if all(p50) else None),
-            "hit_rate": {k: r["hit_rate"]["hbm"] + r["hit_rate"]["pool"]
-                         for k, r in pick.items()}}
+    working = lmdb.get("pool_used_bytes") if not lmdb.get("pool", {}).get("evictions") else None
+    out = []
+    for name, t in tiered:
+        p50 = t["ttft_s"]["p50"], mooncake["ttft_s"]["p50"]
+        out.append({"config": name, "near_share": t.get("near_share"),
+                    "near_capacity_bytes": t["near_capacity_bytes"],
+                    "working_set_bytes": working,
+                    "near_fraction_of_working_set": (t["near_capacity_bytes"] / working
+                                                     if working else None),
+                    "ttft_p50_ratio_tiered_to_mooncake": (p50[0] / p50[1] if all(p50)
+                                                          else None)})
+    return out
 
 
 def markdown(doc: dict[str, Any]) -> list[str]:
@@ -192,11 +201,12 @@ def markdown(doc: dict[str, Any]) -> list[str]:
                      f"{_fmt(r['ttft_s']['p90'])} | {_fmt(r['seconds'], 1)} | "
                      f"{_fmt(r['pool'].get('promoted_blocks', 0), 0)} | "
                      f"{eq.get('equal', '-')}/{eq.get('of', '-')} |")
-    v = doc.get("cluster")
-    if v and v.get("near_share") is not None:
+    for v in doc.get("cluster") or []:
+        if v.get("near_share") is None:
+            continue
         ws = v.get("near_fraction_of_working_set")
         ratio = v.get("ttft_p50_ratio_tiered_to_mooncake")
-        lines += ["", f"Tiered against Mooncake alone: the lookups found "
+        lines += ["", f"`{v['config']}` against Mooncake alone: the lookups found "
                   f"**{v['near_share']:.1%}** of the pool's hit tokens in the near tier "
                   "(the rest crossed from Mooncake once, at the lookup, and was promoted), "
                   "holding "

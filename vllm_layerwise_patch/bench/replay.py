@@ -253,7 +253,7 @@ def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
         todo += [("hbm+restart", None, True, 0), (f"pool@{caps[-1]}+restart", caps[-1], True, 0)]
     rules = [a for a in admission or () if a != "all"]
     todo += [(f"pool@{c}/{a}", c, False, 0) for a in rules for c in caps]
-    pairs = dict(two.names(*cluster)) if cluster else {}
+    pairs = {n: (b, near) for n, b, near in two.names(*cluster)} if cluster else {}
     todo += [(name, cluster[1], False, 0) for name in pairs]
     if configs:
         todo = [t for t in todo if t[0] in configs]
@@ -262,8 +262,8 @@ def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
         rule = name.partition("/")[2]
         try:
             if name in pairs:
-                results[name] = two.run_cluster(s, name, pairs[name], cap, cluster[2],
-                                                routing)
+                backend, near = pairs[name]
+                results[name] = two.run_cluster(s, name, backend, cap, near, routing)
                 continue
             results[name] = run_config(s, name, cap, restart=rs, exact=ex,
                                        pool_extra={"admission": rule} if rule else None)
