@@ -77,7 +77,11 @@ def test_the_tiered_verdict_and_its_summary():
     assert v["near_share"] == 0.625
     assert v["ttft_p50_ratio_tiered_to_mooncake"] == 0.75
     assert v["near_fraction_of_working_set"] == pytest.approx(48 / 160)
+    results["2x lmdb@1GiB"] = {"engines": 2, "error": "RuntimeError: boom"}
     text = "\n".join(markdown({"results": results, "cluster": [v, v96]}))
+    (row,) = [x for x in text.splitlines() if x.startswith("| 2x lmdb@1GiB |")]
+    header = [x for x in text.splitlines() if x.startswith("| config |")][0]
+    assert "error: RuntimeError: boom" in row and row.count("|") == header.count("|")
     assert "| 2x tiered@48MiB/256MiB | 30.0% | 30.0% | 62.5% | 90.0% |" in text
     assert "| 2x mooncake@256MiB | 30.0% | 30.0% | - | - |" in text
     assert "found **62.5%** of the pool's hit tokens in the near tier" in text

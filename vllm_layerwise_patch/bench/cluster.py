@@ -33,7 +33,8 @@ from .replay import POOL_COUNTERS, ReplaySetup, _counters, _server, replay, summ
 from .server import SOURCES
 
 BACKENDS = ("lmdb", "mooncake", "tiered")
-ROUTINGS = ("alternate", "session")
+HEADER = ("| config | HBM hit | pool hit | of it found near | pages loaded near | TTFT p50 "
+          "| p90 (s) | replay s | promoted blocks | same tokens as hbm |")
 ENGINES = 2
 
 
@@ -175,7 +176,7 @@ def markdown(doc: dict[str, Any]) -> list[str]:
     rows = {n: r for n, r in doc["results"].items() if r.get("engines") == ENGINES}
     if not rows:
         return []
-    from .report import _fmt
+    from .report import _fmt, error_row
 
     routing = next(iter(rows.values())).get("routing", "alternate")
     lines = [f"## {ENGINES} engines sharing a pool", "",
@@ -186,12 +187,10 @@ def markdown(doc: dict[str, Any]) -> list[str]:
              "tier in front of one "
              "Mooncake (two nodes); `mooncake`: every hit read from Mooncake; `lmdb`: one "
              "embedded pool for both (one node).", "",
-             "| config | HBM hit | pool hit | of it found near | pages loaded near | TTFT p50 "
-             "| p90 (s) | replay s | promoted blocks | same tokens as hbm |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             HEADER, "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if r.get("error"):
-            lines.append(f"| {name} | error: {r['error'][:160]} |" + " |" * 8)
+            lines.append(error_row(name, r["error"], HEADER))
             continue
         h, eq = r["hit_rate"], r.get("same_tokens_as_hbm") or {}
         near, loads = r.get("near_share"), r.get("near_share_of_loads")

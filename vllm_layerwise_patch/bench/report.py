@@ -87,6 +87,12 @@ def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float |
     return out
 
 
+def error_row(name: str, error: str, header: str, limit: int = 160) -> str:
+    """A table row for a configuration that failed: its name, the error (cut
+    to ``limit``), and as many empty cells as ``header`` has columns left."""
+    return f"| {name} | error: {error[:limit]} |" + " |" * (header.count("|") - 3)
+
+
 def _fmt(v: Any, digits: int = 3) -> str:
     if v is None:
         return "-"
@@ -110,13 +116,13 @@ def markdown(doc: dict[str, Any]) -> str:
         doc["model"]["note"], "",
     ]
     for scenario, by_config in doc["results"].items():
-        lines += [f"## Scenario `{scenario}`", "",
-                  "| config | TTFT avg | p50 | p90 | p99 (s) | HBM hit | external hit | "
-                  "input tok/s | exposed wait | load GB/s | save GB/s | same tokens as hbm |",
+        header = ("| config | TTFT avg | p50 | p90 | p99 (s) | HBM hit | external hit | "
+                  "input tok/s | exposed wait | load GB/s | save GB/s | same tokens as hbm |")
+        lines += [f"## Scenario `{scenario}`", "", header,
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for config, r in by_config.items():
             if r.get("error"):
-                lines.append(f"| {config} | error: {r['error'][:80]} |" + " |" * 11)
+                lines.append(error_row(config, r["error"], header, 80))
                 continue
             t, h, ld = r["ttft_s"], r["hit_rate"], r["load"]
             lines.append(

@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from ..envvars import CPU_TORCH_KERNELS
+from .report import error_row
 from .workload import Workload
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CONFIGS = ("no-prefix-cache", "hbm", "pool-layerwise", "pool-bulk")
+HEADER = "| config | TTFT avg | p50 | p90 | p99 (s) | HBM hit | external hit | input tok/s |"
 
 
 def _port() -> int:
@@ -142,11 +144,10 @@ def run_server(model: str, workload: Workload, work: str, *, cpu: bool = True,
              f"{w.prefixes} prefixes, {w.output_len} output tokens, concurrency "
              f"{w.concurrency}); second pass of the same prompts (pool configurations: "
              "after a server restart).", "",
-             "| config | TTFT avg | p50 | p90 | p99 (s) | HBM hit | external hit | input tok/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             HEADER, "|---|---|---|---|---|---|---|---|"]
     for config, r in results.items():
         if r.get("error"):
-            lines.append(f"| {config} | error: {r['error'][:120]} | | | | | | |")
+            lines.append(error_row(config, r["error"], HEADER, 120))
             continue
         t, h = r["ttft_s"], r["hit_rate"]
         lines.append(f"| {config} | {_fmt(t['avg'])} | {_fmt(t['p50'])} | {_fmt(t['p90'])} | "

@@ -8,7 +8,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .report import _fmt
+from .report import _fmt, error_row
+
+HEADER = ("| config | pool capacity | HBM hit | pool hit | total hit | TTFT avg | p50 | p90 | "
+          "p99 (s) | replay s | evictions | same tokens as hbm |")
 
 
 NOTES = [
@@ -58,12 +61,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{s.get('hbm_tokens') or '?'} tokens: smaller than the working set). "
         f"Model: {doc['model']}. Machine: {doc['machine']}.", "",
         *([f"Command: `{doc['command']}`", ""] if doc.get("command") else []),
-        "| config | pool capacity | HBM hit | pool hit | total hit | TTFT avg | p50 | p90 | "
-        "p99 (s) | replay s | evictions | same tokens as hbm |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        HEADER, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in doc["results"].items():
         if r.get("error"):
-            lines.append(f"| {name} | error: {r['error'][:160]} |" + " |" * 10)
+            lines.append(error_row(name, r["error"], HEADER))
             continue
         h, tt, eq = r["hit_rate"], r["ttft_s"], r.get("same_tokens_as_hbm") or {}
         lines.append(
