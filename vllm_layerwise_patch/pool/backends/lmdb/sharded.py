@@ -156,22 +156,23 @@ class ShardedLmdbBackend(Backend):
         if not items:
             return
         self.calls["put"] += 1
-        parts = self._split(k for k, _ in items)
+        batches = {s: [items[i] for i in idx]
+                   for s, (idx, _) in self._split(k for k, _ in items).items()}
         self._turn += 1
-        pending = sorted(parts, key=lambda s: (s - self._turn) % self.n)
+        pending = sorted(batches, key=lambda s: (s - self._turn) % self.n)
         error: BaseException | None = None
         while pending:
             busy = []
             for s in pending:
                 try:
-                    if not self.shards[s].try_put_many([items[i] for i in parts[s][0]]):
+                    if not self.shards[s].try_put_many(batches[s]):
                         busy.append(s)
                 except BackendError as exc:
                     error = error or exc
             if busy and len(busy) == len(pending):  # no shard free: wait for one
                 s = busy.pop(0)
                 try:
-                    self.shards[s].put_many([items[i] for i in parts[s][0]])
+                    self.shards[s].put_many(batches[s])
                 except BackendError as exc:
                     error = error or exc
             pending = busy
