@@ -98,6 +98,8 @@ def test_the_tiered_verdict_and_its_summary():
 @pytest.mark.parametrize("args,msg", [
     (["--cluster", "lmdb,redis"], "unknown backend 'redis'"),
     (["--cluster", "tiered", "--near-capacity", "48 potatoes"], "cannot read size"),
+    (["--cluster", "tiered", "--near-capacity", "48MiB:tepid"],
+     "near_saves 'tepid' is not one of hot, cold, off"),
 ])
 def test_bad_cluster_arguments_are_refused(tmp_path, args, msg):
     from vllm_layerwise_patch.bench import main
@@ -122,3 +124,20 @@ def test_session_routing_keeps_a_sessions_requests_on_one_engine():
     assert routes(s, "alternate") == [0, 1, 0, 1, 0, 1]
     # sessions [0,1] -> engine 0, [0,2] -> 1, [0,3] -> 0 (in order of first arrival)
     assert routes(s, "session") == [0, 1, 0, 0, 1, 0]
+
+
+def test_a_near_tier_policy_names_its_configuration_and_sets_the_field(tmp_path):
+    from pathlib import Path
+
+    from vllm_layerwise_patch.bench.cluster import _pool, names
+    from vllm_layerwise_patch.bench.replay import ReplaySetup
+    from vllm_layerwise_patch.pool.config import PoolConfig
+
+    got = names(["tiered"], "256MiB", "48MiB,48MiB:cold")
+    assert [n for n, _, _ in got] == ["2x tiered@48MiB/256MiB",
+                                      "2x tiered@48MiB/256MiB near_saves=cold"]
+    s = ReplaySetup(model="m", work=Path(tmp_path), requests=[])
+    for (_, backend, near), want in zip(got, ("hot", "cold")):
+        extra = _pool(s, backend, 0, "256MiB", near, "127.0.0.1:1")
+        cfg = PoolConfig.from_extra(extra)
+        assert cfg.capacity == 48 << 20 and cfg.tiered.near_saves == want

@@ -321,7 +321,9 @@ def test_a_failing_tier_is_a_miss_of_that_tier(cluster, tmp_path, fault_env):
     ("promote_pending_blocks", "8", "valid integer"),
     ("promote_after_far_hits", 0, "greater than or equal to 1"),
     ("promote_after_far_hits", 17, "less than or equal to 16"),
-    ("near_path", "/x", "unknown field (known: promote, promote_after_far_hits, "
+    ("near_saves", "lukewarm", "Input should be 'hot', 'cold' or 'off'"),
+    ("near_saves", 1, "Input should be 'hot', 'cold' or 'off'"),
+    ("near_path", "/x", "unknown field (known: promote, near_saves, promote_after_far_hits, "
                         "promote_pending_blocks)"),
 ])
 def test_a_bad_tiered_field_is_an_error_naming_it(field, value, says):

@@ -125,7 +125,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="--cluster: the pool's capacity (lmdb), Mooncake's segment holder "
                         "(mooncake, tiered's far tier)")
     t.add_argument("--near-capacity", default="48MiB",
-                   help="--cluster: each engine's near tier (tiered)")
+                   help="--cluster: each engine's near tier (tiered), comma-separated; "
+                        "CAP:hot|cold|off also sets its tiered.near_saves")
     t.add_argument("--cluster-routing", default="alternate", choices=("alternate", "session"),
                    help="--cluster: requests alternate between the engines, or each "
                         "session's go to one (session affinity)")

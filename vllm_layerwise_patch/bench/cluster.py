@@ -11,7 +11,9 @@ a router with session affinity does; only what sessions share crosses):
   engine;
 * ``2x tiered@NEAR/CAP``: each engine with an embedded near tier of its own
   (``NEAR`` bytes: two nodes) in front of that Mooncake - a hit is read
-  near when the near tier holds it, else far (then promoted).
+  near when the near tier holds it, else far (then promoted);
+  ``--near-capacity NEAR:POLICY`` sets its ``tiered.near_saves`` (the
+  configuration is then named ``... near_saves=POLICY``).
 
 Each configuration starts on an empty pool and a fresh master.  Hit tokens
 by tier: the pool's hit tokens split as the pages the scheduler's lookups
@@ -33,6 +35,7 @@ from .replay import POOL_COUNTERS, ReplaySetup, _counters, _server, replay, summ
 from .server import SOURCES
 
 BACKENDS = ("lmdb", "mooncake", "tiered")
+NEAR_SAVES = ("hot", "cold", "off")  # (config_tiered.TieredConfig.near_saves)
 HEADER = ("| config | HBM hit | pool hit | of it found near | pages loaded near | TTFT p50 "
           "| p90 (s) | replay s | promoted blocks | same tokens as hbm |")
 ENGINES = 2
@@ -48,17 +51,29 @@ def routes(s: ReplaySetup, routing: str, session_blocks: int = 2) -> list[int]:
     return [first[r.hash_ids[:session_blocks]] % ENGINES for r in s.requests]
 
 
+def near_spec(near: str) -> tuple[str, str]:
+    """``CAP`` or ``CAP:POLICY`` of ``--near-capacity``: the near tier's
+    capacity and its ``tiered.near_saves`` ("" for the default)."""
+    cap, _, policy = near.partition(":")
+    if policy not in ("", *NEAR_SAVES):
+        raise ValueError(f"--near-capacity {near!r}: near_saves {policy!r} is not one of "
+                         f"{', '.join(NEAR_SAVES)}")
+    return cap, policy
+
+
 def names(backends: list[str], capacity: str, near: str) -> list[tuple[str, str, str]]:
-    """(configuration name, backend, near-tier capacity) for each of
-    ``backends`` - for ``tiered``, one per near-tier capacity of ``near``
-    (comma-separated)."""
+    """(configuration name, backend, near-tier spec) for each of
+    ``backends`` - for ``tiered``, one per near-tier spec of ``near``
+    (comma-separated, :func:`near_spec`)."""
     bad = [b for b in backends if b not in BACKENDS]
     if bad:
         raise ValueError(f"--cluster: unknown backend {bad[0]!r} (one of {', '.join(BACKENDS)})")
     out = []
     for b in backends:
         for n in ([x for x in near.split(",") if x] if b == "tiered" else [""]):
-            out.append((f"{ENGINES}x tiered@{n}/{capacity}" if b == "tiered"
+            cap, policy = near_spec(n)
+            out.append((f"{ENGINES}x tiered@{cap}/{capacity}"
+                        + (f" near_saves={policy}" if policy else "") if b == "tiered"
                         else f"{ENGINES}x {b}@{capacity}", b, n))
     return out
 
@@ -72,7 +87,8 @@ def from_args(ns: Any) -> tuple[list[str], str, str] | None:
     cluster = ([b for b in ns.cluster.split(",") if b], ns.cluster_capacity, ns.near_capacity)
     try:
         names(*cluster)
-        [parse_size(x) for x in [ns.cluster_capacity, *ns.near_capacity.split(",")]]
+        [parse_size(x) for x in [ns.cluster_capacity, *(near_spec(n)[0] for n in
+                                                        ns.near_capacity.split(",") if n)]]
     except ValueError as exc:
         raise SystemExit(f"bench --trace: {exc}") from None
     return cluster
@@ -86,8 +102,10 @@ def _pool(s: ReplaySetup, backend: str, engine: int, capacity: str, near: str,
                 "local_buffer_size": "32MiB"}
     if backend == "mooncake":
         return {"backend": "mooncake", "mooncake": mooncake}
+    cap, policy = near_spec(near)
     return {"backend": "tiered", "path": str(s.work / f"pool-2x-near-{engine}"),
-            "capacity": near, "mooncake": mooncake}
+            "capacity": cap, "mooncake": mooncake,
+            **({"tiered": {"near_saves": policy}} if policy else {})}
 
 
 def run_cluster(s: ReplaySetup, name: str, backend: str, capacity: str,
@@ -136,7 +154,8 @@ def run_cluster(s: ReplaySetup, name: str, backend: str, capacity: str,
     out.update(engines=ENGINES, backend=backend, capacity_bytes=parse_size(capacity),
                pool_used_bytes=used, routing=routing)
     if backend == "tiered":
-        out["near_capacity_bytes"] = parse_size(near)
+        out["near_capacity_bytes"] = parse_size(near_spec(near)[0])
+        out["near_saves"] = near_spec(near)[1] or "hot"
         out["near_share"] = share
         out["near_share_of_loads"] = out["pool"]["near_pages_loaded"] / loaded if loaded else None
         out["hit_tokens_by_tier"] = (None if share is None else {

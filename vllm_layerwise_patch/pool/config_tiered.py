@@ -7,6 +7,8 @@ as the far tier (the ``mooncake`` section).  Kept apart from
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -23,6 +25,15 @@ class TieredConfig(BaseModel):
                     "key) and written with its commit marker in one transaction, so the "
                     "next hit of that block is read from the near tier; `false`: the near "
                     "tier holds only what engines using it saved")
+    near_saves: Literal["hot", "cold", "off"] = Field(
+        default="hot",
+        description="what a save writes into the near tier (every save goes to the far tier "
+                    "first, so the near tier may drop anything): `hot`, the saved blocks as "
+                    "its most recently used (a near tier larger than the engines' HBM prefix "
+                    "caches); `cold`, as its least recently used - evicted before any block "
+                    "read since (looked up, loaded or promoted), so a near tier smaller than "
+                    "the HBM caches, which hold what was just saved, keeps the blocks that "
+                    "came back; `off`, none (the near tier holds promoted far-tier hits)")
     promote_after_far_hits: int = Field(
         default=1, ge=1, le=16,
         description="promote a block on its this-many-th far-tier hit seen by the promoting "

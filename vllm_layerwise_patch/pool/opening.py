@@ -50,7 +50,8 @@ def _open_tiered(config: PoolConfig, role: str | None):
     promotes = role is None or (role == "scheduler") == config.verify_on_lookup
     return TieredBackend(near, far, promote=config.tiered.promote and promotes,
                          pending_blocks=config.tiered.promote_pending_blocks,
-                         promote_after=config.tiered.promote_after_far_hits)
+                         promote_after=config.tiered.promote_after_far_hits,
+                         near_saves=config.tiered.near_saves)
 
 
 def _open_mooncake(config: PoolConfig, role: str | None):

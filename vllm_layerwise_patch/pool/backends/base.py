@@ -313,9 +313,9 @@ class FaultInjectingBackend(Backend):
         self._check("read_direct")
         return self.inner.read_direct(keys, ptrs, lengths)
 
-    def put_many(self, items):
+    def put_many(self, items, **kw):
         self._check("put_many")
-        return self.inner.put_many(items)
+        return self.inner.put_many(items, **kw)
 
     def touch(self, groups):
         return self.inner.touch(groups)

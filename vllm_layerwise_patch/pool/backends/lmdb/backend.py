@@ -43,6 +43,9 @@ from .files import file_size, open_environment, unbacked_growth
 logger = logging.getLogger("vllm.layerwise_patch")
 
 _PIN_SEP = b"\0"  # pins: group NUL owner -> expiry (one pin per pending load)
+#: a cold save's age: its blocks' last use this long before the save, below
+#: every block used since (evicted first, oldest first among themselves)
+COLD_AGE = 1e7
 
 
 class LmdbBackend(Backend):
@@ -151,7 +154,10 @@ class LmdbBackend(Backend):
                 consume(i, k, txn.get(k, db=self.data))
 
     # -- groups ----------------------------------------------------------------
-    def _use(self, txn, group: bytes, now: float, add: int = 0, create: bool = False) -> None:
+    def _use(self, txn, group: bytes, now: float, add: int = 0, create: bool = False,
+             keep: bool = False) -> None:
+        """``group`` used at ``now`` (``create``: a new one too); ``keep``: an
+        existing group keeps its last use (a cold save)."""
         rec = txn.get(group, db=self.groups)
         if rec is None:
             if not create:
@@ -159,6 +165,9 @@ class LmdbBackend(Backend):
             size = 0
         else:
             last, size = _GROUP.unpack(rec)
+            if keep:
+                txn.put(group, _GROUP.pack(last, max(0, size + add)), db=self.groups)
+                return
             txn.delete(_T.pack(last) + group, db=self.lru)
         txn.put(group, _GROUP.pack(now, max(0, size + add)), db=self.groups)
         txn.put(_T.pack(now) + group, b"", db=self.lru)
@@ -249,15 +258,18 @@ class LmdbBackend(Backend):
             self._gen.end(REMOVALS, begun)
 
     # -- writes ----------------------------------------------------------------
-    def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        self._put(items, wait=True)
+    def put_many(self, items: list[tuple[bytes, bytes]], *, cold: bool = False) -> None:
+        """``cold``: new blocks enter as the least recently used (evicted
+        before any block used since; :data:`COLD_AGE`), existing ones keep
+        their last use (a tiered pool's near tier, ``tiered.near_saves``)."""
+        self._put(items, wait=True, cold=cold)
 
-    def try_put_many(self, items: list[tuple[bytes, bytes]]) -> bool:
+    def try_put_many(self, items: list[tuple[bytes, bytes]], *, cold: bool = False) -> bool:
         """:meth:`put_many` if the writer is free now; else False, writing
         nothing (a sharded pool writes its other shards meanwhile)."""
-        return self._put(items, wait=False)
+        return self._put(items, wait=False, cold=cold)
 
-    def _put(self, items: list[tuple[bytes, bytes]], wait: bool) -> bool:
+    def _put(self, items: list[tuple[bytes, bytes]], wait: bool, cold: bool = False) -> bool:
         if not items:
             return True
         import lmdb
@@ -273,7 +285,7 @@ class LmdbBackend(Backend):
             self.calls["put"] += 1
             for attempt in range(4):
                 try:
-                    self._write(items)
+                    self._write(items, cold)
                     return True
                 except lmdb.MapFullError:
                     if self._adopt_map():
@@ -290,8 +302,8 @@ class LmdbBackend(Backend):
                     raise BackendError(f"LMDB write failed: {exc}") from None
             raise PoolFull("eviction could not make room")
 
-    def _write(self, items: list[tuple[bytes, bytes]]) -> None:
-        now = time.time()
+    def _write(self, items: list[tuple[bytes, bytes]], cold: bool = False) -> None:
+        now = time.time() - (COLD_AGE if cold else 0.0)
         added: dict[bytes, int] = {}
         replaced = False  # a value changed under its key: as good as removed and stored
         with self._txn(write=True) as txn:
@@ -305,7 +317,7 @@ class LmdbBackend(Backend):
                 added[g] = added.get(g, 0) + len(k) + len(v) - (
                     0 if old is None else len(k) + len(old))
             for g, add in added.items():
-                self._use(txn, g, now, add=add, create=True)
+                self._use(txn, g, now, add=add, create=True, keep=cold)
         self._gen.end(STORES, stored)
         if replaced is not False:
             self._gen.end(REMOVALS, replaced)

@@ -146,13 +146,14 @@ class ShardedLmdbBackend(Backend):
         self._each(groups, lambda b, gs: b.delete_groups(gs))
 
     # -- writes ----------------------------------------------------------------------
-    def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
+    def put_many(self, items: list[tuple[bytes, bytes]], *, cold: bool = False) -> None:
         """One write transaction per shard touched (a block's items all in
         one), each shard written when its writer is free: a busy shard is
         passed over and tried again after the others, and only when every
         shard left is busy does the put wait (for the first of them).
         Every shard is written even when one fails (its blocks are whole);
-        then the first error is raised: those saves are skipped."""
+        then the first error is raised: those saves are skipped.  ``cold``:
+        as :meth:`.backend.LmdbBackend.put_many`."""
         if not items:
             return
         self.calls["put"] += 1
@@ -165,14 +166,14 @@ class ShardedLmdbBackend(Backend):
             busy = []
             for s in pending:
                 try:
-                    if not self.shards[s].try_put_many(batches[s]):
+                    if not self.shards[s].try_put_many(batches[s], cold=cold):
                         busy.append(s)
                 except BackendError as exc:
                     error = error or exc
             if busy and len(busy) == len(pending):  # no shard free: wait for one
                 s = busy.pop(0)
                 try:
-                    self.shards[s].put_many(batches[s])
+                    self.shards[s].put_many(batches[s], cold=cold)
                 except BackendError as exc:
                     error = error or exc
             pending = busy

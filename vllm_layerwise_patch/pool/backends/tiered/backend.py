@@ -19,9 +19,12 @@ keeps the one format (:mod:`..base`) and the one key of either tier.
 * Saves are written through to both tiers, the far one first: the far
   tier stays complete, so the near tier may evict anything (its own LRU
   on whole blocks, :mod:`..lmdb.eviction`) without losing an entry the
-  cluster does not hold.  A save that only one tier took is not a failed
-  save (counted: ``far_save_failures``, ``near_save_failures``); when both
-  fail it fails as any save does.
+  cluster does not hold.  ``tiered.near_saves`` says how the near tier
+  takes them: ``hot`` (its most recently used), ``cold`` (its least:
+  evicted before anything read since) or ``off`` (not at all).  A save
+  that only one tier took is not a failed save (counted:
+  ``far_save_failures``, ``near_save_failures``); when every tier it went
+  to failed it fails as any save does.
 * Pins and recency are the near tier's (Mooncake has its read leases);
   removals (a damaged entry's block) go to both tiers.
 * Faults: a near tier that fails is a near miss (the far tier answers); a
@@ -74,8 +77,10 @@ class _ConsumerError(Exception):
 
 class TieredBackend(Backend):
     def __init__(self, near: Backend, far: Backend, *, promote: bool = True,
-                 pending_blocks: int = 64, promote_after: int = 1) -> None:
+                 pending_blocks: int = 64, promote_after: int = 1,
+                 near_saves: str = "hot") -> None:
         self.near, self.far = near, far
+        self.near_saves = near_saves
         self.log = LogOnce()
         self.counts = _Counts()
         self.promote = promote
@@ -208,18 +213,22 @@ class TieredBackend(Backend):
 
     # -- writes ------------------------------------------------------------------
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Write-through: the far tier, then the near tier."""
+        """Write-through: the far tier, then the near tier (as
+        ``near_saves`` says)."""
         if not items:
             return
         errors = {}
-        for tier, backend in (("far", self.far), ("near", self.near)):
+        tiers = [("far", self.far, {})]
+        if self.near_saves != "off":
+            tiers.append(("near", self.near, {"cold": True} if self.near_saves == "cold" else {}))
+        for tier, backend, kw in tiers:
             try:
-                backend.put_many(items)
+                backend.put_many(items, **kw)
             except Exception as exc:  # noqa: BLE001 - the other tier may take it
                 errors[tier] = exc
                 self.counts.add(f"{tier}_save_failures")
                 self._warn(tier, exc)
-        if len(errors) == 2:
+        if len(errors) == len(tiers):
             raise errors["far"]
 
     def touch(self, groups: Iterable[bytes]) -> None:
