@@ -58,8 +58,8 @@ def test_a_put_writes_its_free_shards_while_another_process_holds_one(tmp_path, 
         busy, free, busy_items, free_items = _two_blocks_in_two_shards(be.n)
         if blocking:  # (the control: every shard waited for in turn)
             for s in be.shards:
-                monkeypatch.setattr(s, "try_put_many", lambda items, s=s: (s.put_many(items),
-                                                                           True)[1])
+                monkeypatch.setattr(s, "try_put_many", lambda items, cold=False, s=s: (
+                    s.put_many(items, cold=cold), True)[1])
         be._turn = busy - 1  # (the busy shard is first in the put's order)
         holder = subprocess.Popen([sys.executable, "-c", HOLD,
                                    os.path.join(path, shard_name(busy))],

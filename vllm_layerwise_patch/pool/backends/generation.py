@@ -108,10 +108,12 @@ class GenerationFile:
         stores, removals = _PAIR.unpack_from(self._current(), 0)
         return Generation(self.epoch, stores, removals)
 
-    def _change(self, offset: int, step) -> int:
+    def _change(self, offset: int, step, checked: bool = False) -> int:
         """``step(value)`` -> new value or None, applied under the file's
-        lock; returns the value in place afterwards."""
-        self._current()
+        lock; returns the value in place afterwards.  ``checked``: the
+        caller has just checked the file's identity (one ``stat``)."""
+        if not checked:
+            self._current()
         with self._lock:
             m, fd = self._map, self._fd
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -132,10 +134,11 @@ class GenerationFile:
         :meth:`end` needs."""
         if offset == REMOVALS and faults().late_removal_bump:
             return None  # (tests: the order before the fix - both moves after the commit)
-        if offset == STORES and self.read().removals % 2:
-            self._change(REMOVALS, lambda v: v + 1 if v % 2 else None)
+        m = self._current()  # (the file's identity, checked once for both moves)
+        if offset == STORES and _PAIR.unpack_from(m, 0)[1] % 2:
+            self._change(REMOVALS, lambda v: v + 1 if v % 2 else None, checked=True)
         # (odd: a write that has ended left it so - settled and moved on)
-        value = self._change(offset, lambda v: v + 1 if v % 2 == 0 else v + 2)
+        value = self._change(offset, lambda v: v + 1 if v % 2 == 0 else v + 2, checked=True)
         return value, self.epoch
 
     def end(self, offset: int, begun: tuple[int, int] | None) -> None:
@@ -150,9 +153,9 @@ class GenerationFile:
         value, epoch = begun
         self._current()
         if self.epoch != epoch:
-            self._change(offset, lambda v: v + 2 if v % 2 == 0 else None)
+            self._change(offset, lambda v: v + 2 if v % 2 == 0 else None, checked=True)
         else:
-            self._change(offset, lambda v: v + 1 if v == value else None)
+            self._change(offset, lambda v: v + 1 if v == value else None, checked=True)
 
     def close(self) -> None:
         self._map.close()

@@ -28,7 +28,8 @@ class Gate:
         finally:
             with self._cond:
                 self._shared -= 1
-                self._cond.notify_all()
+                if self._exclusive and not self._shared:  # (only it waits on readers)
+                    self._cond.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self):

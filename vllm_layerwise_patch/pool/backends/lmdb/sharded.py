@@ -68,21 +68,30 @@ class ShardedLmdbBackend(Backend):
     # -- routing -------------------------------------------------------------------
     def _split(self, keys: Iterable[bytes]) -> dict[int, tuple[list[int], list[bytes]]]:
         """Per shard touched: the keys' indexes and the keys."""
-        keys = [bytes(k) for k in keys]
-        if faults().shard_by_key:
-            where = [shard_of(k, self.n, True) for k in keys]
-        else:  # (shards.shard_of inlined: a lookup splits every key of its hit)
-            where = []
-            for k in keys:
-                parts = k.split(b"/", 3)
-                where.append(crc32(parts[2] if len(parts) > 3 else b"/".join(parts[:2]))
-                             % self.n)
         out: dict[int, tuple[list[int], list[bytes]]] = {}
-        for i, (s, k) in enumerate(zip(where, keys)):
-            if s not in out:
-                out[s] = ([], [])
-            out[s][0].append(i)
-            out[s][1].append(k)
+        if faults().shard_by_key:
+            for i, k in enumerate(keys):
+                k = bytes(k)
+                idx, ks = out.setdefault(shard_of(k, self.n, True), ([], []))
+                idx.append(i)
+                ks.append(k)
+            return out
+        # (shards.shard_of inlined, each block's hash once: a lookup splits
+        # every key of its hit, a save every page)
+        n, memo = self.n, {}
+        for i, k in enumerate(keys):
+            if type(k) is not bytes:
+                k = bytes(k)
+            parts = k.split(b"/", 3)
+            route = parts[2] if len(parts) > 3 else b"/".join(parts[:2])
+            s = memo.get(route)
+            if s is None:
+                s = memo[route] = crc32(route) % n
+            got = out.get(s)
+            if got is None:
+                got = out[s] = ([], [])
+            got[0].append(i)
+            got[1].append(k)
         return out
 
     def _each(self, keys: Iterable[bytes], op: Callable[[LmdbBackend, list[bytes]], Any]) -> None:
