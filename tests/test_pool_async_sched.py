@@ -106,6 +106,7 @@ def test_a_failed_load_leaves_no_page_in_the_pool(tiny_model_dir, work, pool_p, 
     assert toks(res) == toks(cold)
 
 
+@pytest.mark.slow  # a negative control: the slow set
 def test_negative_control_the_old_rule_keeps_poisoned_pages(tiny_model_dir, work, pool_p,
                                                             clean, cold):
     # The rule before the fix: a failure taints only the step it happened in.
@@ -168,6 +169,7 @@ def test_an_eviction_before_the_pin_makes_a_miss_not_a_failed_load(tiny_model_di
     assert toks(res) == toks(cold_p)
 
 
+@pytest.mark.slow  # a negative control: the slow set
 def test_negative_control_pinning_after_verifying_lets_a_load_fail(tiny_model_dir, work,
                                                                    pool_p, cold_p):
     res = race(tiny_model_dir, work, pool_p, "pin-after", debug_pin_after_verify=True)

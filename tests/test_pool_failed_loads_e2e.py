@@ -107,8 +107,12 @@ def fresh_clean(tiny_model_dir, work, clean):
 # (an aborted request's blocks were never a local hit of the next request in
 # vLLM 0.32, measured with the old rule too: the negative control is the
 # preempted request, which vLLM resumes and which hit its own zeroed pages)
-CASES = [("abort", "async", "fixed"), ("abort", "sync", "fixed"), ("preempt", "async", "fixed"),
-         ("preempt", "async", "old")]
+# (the synchronous twin and the negative control are in the slow set: their
+# asynchronous, fixed twins stay in the default one)
+CASES = [("abort", "async", "fixed"),
+         pytest.param("abort", "sync", "fixed", marks=pytest.mark.slow),
+         ("preempt", "async", "fixed"),
+         pytest.param("preempt", "async", "old", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("how, sched, rule", CASES)
@@ -158,7 +162,7 @@ def test_a_load_that_fails_as_its_request_ends_reaches_no_token_and_no_pool_page
     assert toks(fresh) == toks(fresh_clean)
 
 
-@pytest.mark.parametrize("rule", ["fixed", "old"])
+@pytest.mark.parametrize("rule", ["fixed", pytest.param("old", marks=pytest.mark.slow)])
 def test_after_an_aborted_failed_load_the_quarantine_clears_and_saves_go_on(
         tiny_model_dir, work, pool_p, rule):
     """Asynchronous scheduling, a small KV cache (block ids come round

@@ -183,7 +183,10 @@ class Backend(abc.ABC):
 
     @property
     def calls(self) -> collections.Counter:
-        return self.__dict__.setdefault("_calls", collections.Counter())
+        got = self.__dict__.get("_calls")
+        if got is None:  # (not setdefault: it would build a Counter on every call)
+            got = self.__dict__["_calls"] = collections.Counter()
+        return got
 
     def generation(self) -> Any:
         """A :class:`.generation.Generation`: counters that any process's
