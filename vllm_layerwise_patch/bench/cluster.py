@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import shutil
 import time
-from typing import Any
+from typing import Any, get_args
 
+from ..pool.config_tiered import TieredConfig
 from .replay import POOL_COUNTERS, ReplaySetup, _counters, _server, replay, summarize
 from .server import SOURCES
 
 BACKENDS = ("lmdb", "mooncake", "tiered")
-NEAR_SAVES = ("hot", "cold", "off")  # (config_tiered.TieredConfig.near_saves)
+#: the values of ``tiered.near_saves``, from its field
+NEAR_SAVES: tuple[str, ...] = get_args(TieredConfig.model_fields["near_saves"].annotation)
 HEADER = ("| config | HBM hit | pool hit | of it found near | pages loaded near | TTFT p50 "
           "| p90 (s) | replay s | promoted blocks | same tokens as hbm |")
 ENGINES = 2
@@ -154,8 +156,9 @@ def run_cluster(s: ReplaySetup, name: str, backend: str, capacity: str,
     out.update(engines=ENGINES, backend=backend, capacity_bytes=parse_size(capacity),
                pool_used_bytes=used, routing=routing)
     if backend == "tiered":
-        out["near_capacity_bytes"] = parse_size(near_spec(near)[0])
-        out["near_saves"] = near_spec(near)[1] or "hot"
+        cap, policy = near_spec(near)
+        out["near_capacity_bytes"] = parse_size(cap)
+        out["near_saves"] = policy or TieredConfig.model_fields["near_saves"].default
         out["near_share"] = share
         out["near_share_of_loads"] = out["pool"]["near_pages_loaded"] / loaded if loaded else None
         out["hit_tokens_by_tier"] = (None if share is None else {
