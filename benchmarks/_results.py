@@ -12,8 +12,11 @@ from typing import Any
 def machine() -> dict[str, Any]:
     import torch
 
-    return {"cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__}
+    from vllm_layerwise_patch.bench.machine import cpu
+
+    c = cpu()
+    return {"cpus": os.cpu_count(), "cpu_model": c["model"], "cpu_isa": c["isa"],
+            "python": platform.python_version(), "torch": torch.__version__}
 
 
 def write(path: str, benchmark: str, results: list[dict[str, Any]], **extra: Any) -> None:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 from typing import Any
+
+from .machine import describe
 
 NOTES_CPU = [
     "On CPU, Model Runner V2 runs under the Triton interpreter: every kernel "
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.trace:
             doc = _trace(ns, model, work)
             doc["model"] = description
-            doc["machine"] = f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
+            doc["machine"] = describe()
             _write_trace(doc, ns.out)
             return 0
         if ns.server:
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["model"] = {"path": model if ns.model != "tiny" else "tiny (built in a temporary "
                         "directory)", "description": description,
                         "note": "" if ns.gpu else _size_note(doc, workload)}
-        doc["machine"] = f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
+        doc["machine"] = describe()
         _write(doc, ns.out)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -42,6 +42,16 @@ def server_args(model: str, *, port: int, pool: dict[str, Any] | None = None,
     return args + list(extra or [])
 
 
+_RAISED = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): .+$", re.M)
+
+
+def root_cause(log: str) -> str:
+    """The first exception a failed server's log shows (the engine core's,
+    not the front end's "initialization failed" that follows it)."""
+    m = _RAISED.search(log)
+    return m.group(0).strip() if m else "(no exception in the log)"
+
+
 class VllmServer:
     """A ``vllm serve`` process (its own process group), logging to a file."""
 
@@ -76,8 +86,9 @@ class VllmServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n"
-                                   + self.log()[-4000:])
+                log = self.log()
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}): "
+                                   f"{root_cause(log)}\n" + log[-4000:])
             try:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=2):
                     return self
