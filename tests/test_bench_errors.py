@@ -37,3 +37,20 @@ def test_a_failed_configuration_is_one_row_with_the_cause():
     assert row.count("|") == HEADER.count("|")
     # a pipe in the message does not open a cell
     assert error_row("x", "a | b", HEADER).count("|") == HEADER.count("|")
+
+
+def test_a_failed_configurations_server_logs_outlive_the_work_directory(tmp_path):
+    from vllm_layerwise_patch.bench.replay import ReplaySetup, keep_logs
+
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("2x tiered@48MiB-256MiB-engine0.log", "2x tiered@48MiB-256MiB-engine1.log",
+                 "hbm-part0.log"):
+        (work / name).write_text(f"log of {name}\n{LOG}")
+    s = ReplaySetup(model="m", work=work, requests=[], logs=tmp_path / "out" / "failed-logs")
+    kept = keep_logs(s, "2x tiered@48MiB/256MiB")["logs"]
+    assert [p.rsplit("/", 1)[1] for p in kept] == ["2x tiered@48MiB-256MiB-engine0.log",
+                                                   "2x tiered@48MiB-256MiB-engine1.log"]
+    assert open(kept[1]).read().startswith("log of 2x tiered@48MiB-256MiB-engine1.log")
+    assert keep_logs(s, "pool@64MiB") == {}  # no server log: nothing to keep
+    assert keep_logs(ReplaySetup(model="m", work=work, requests=[]), "hbm") == {}

@@ -287,7 +287,8 @@ def _trace(ns: argparse.Namespace, model: str, work: str) -> dict[str, Any]:
                         time_scale=ns.time_scale, kv_cache_bytes=ns.kv_cache_bytes,
                         max_model_len=ns.max_model_len,
                         max_num_batched_tokens=ns.max_num_batched_tokens,
-                        torch_kernels=not ns.gpu and ns.cpu_kernels != "triton")
+                        torch_kernels=not ns.gpu and ns.cpu_kernels != "triton",
+                        logs=Path(ns.out) / "failed-logs")
     doc = run_all(setup, [c for c in ns.capacities.split(",") if c], restart=ns.restart,
                   exact=ns.exact_check, configs=[c for c in ns.configs.split(",") if c],
                   admission=[a for a in ns.admission.split(",") if a],

@@ -66,6 +66,7 @@ class ReplaySetup:
     max_num_batched_tokens: int = 2048
     torch_kernels: bool = True  # CPU: vLLM's pre-copy and zeroing kernels on the host
     vocab: tuple[int, int] = (3, 1024)
+    logs: Path | None = None  # where a failed configuration's server logs are kept
 
     def prompts(self) -> list[list[int]]:
         return [tr.prompt(r, self.scale, vocab=self.vocab) for r in self.requests]
@@ -268,7 +269,7 @@ def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
             results[name] = run_config(s, name, cap, restart=rs, exact=ex,
                                        pool_extra={"admission": rule} if rule else None)
         except Exception as exc:  # noqa: BLE001 - reported in the summary
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            results[name] = {"error": f"{type(exc).__name__}: {exc}", **keep_logs(s, name)}
         if cap is not None:
             results[name]["capacity_bytes"] = parse_size(cap)
         shutil.rmtree(s.work / f"pool-{name.replace('/', '-')}", ignore_errors=True)
@@ -278,6 +279,19 @@ def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
     if rules:
         doc["admission"] = compare(doc["results"], caps, ["all", *rules])
     return doc
+
+
+def keep_logs(s: ReplaySetup, config: str) -> dict[str, Any]:
+    """A failed configuration's server logs copied to ``s.logs`` (the work
+    directory goes with the run): ``{"logs": [their paths]}``, or nothing."""
+    if s.logs is None:
+        return {}
+    kept = []
+    for log in sorted(s.work.glob(f"{config.replace('/', '-')}-*.log")):
+        s.logs.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, s.logs / log.name)
+        kept.append(str(s.logs / log.name))
+    return {"logs": kept} if kept else {}
 
 
 def finish(results: dict[str, dict[str, Any]], caps: list[str], exact: int = 0
