@@ -24,7 +24,7 @@ if [ "$workers" != "0" ]; then
   xdist=(-n "$workers" --dist loadfile)
 fi
 set +e
-"$venv/bin/pytest" -ra --durations=15 "${xdist[@]}" "${select[@]}" "$@"
+"$venv/bin/pytest" -ra --durations=40 "${xdist[@]}" "${select[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
