@@ -29,6 +29,18 @@ def test_the_first_exception_of_the_log_is_the_cause():
     assert root_cause("x\nlmdb.MapFullError: full\n") == "lmdb.MapFullError: full"
 
 
+def test_the_cause_behind_vllms_log_prefix_and_not_a_warning():
+    log = ("(Worker pid=9) WARNING 12-07 04:14:36 [utils.py:597] Failed to create oneDNN "
+           "linear, fallback to torch linear. Exception: could not create a primitive\n"
+           "(EngineCore pid=7) ERROR 12-07 04:15:33 [core.py:1512] Traceback (most recent "
+           "call last):\n"
+           "(EngineCore pid=7) ERROR 12-07 04:15:33 [core.py:1512] ValueError: Cannot get 2 "
+           "free blocks from the pool\n"
+           "(APIServer pid=5) ERROR 12-07 04:15:33 [async_llm.py:906] vllm.v1.engine."
+           "exceptions.EngineDeadError: EngineCore encountered an issue.\n")
+    assert root_cause(log) == "ValueError: Cannot get 2 free blocks from the pool"
+
+
 def test_a_failed_configuration_is_one_row_with_the_cause():
     error = f"vllm serve exited (1): {root_cause(LOG)}\n" + LOG
     row = error_row("hbm", error, HEADER, 80)
@@ -40,17 +52,29 @@ def test_a_failed_configuration_is_one_row_with_the_cause():
 
 
 def test_a_failed_configurations_server_logs_outlive_the_work_directory(tmp_path):
-    from vllm_layerwise_patch.bench.replay import ReplaySetup, keep_logs
+    from vllm_layerwise_patch.bench.replay import ReplaySetup, keep_logs, with_cause
 
     work = tmp_path / "work"
     work.mkdir()
     for name in ("2x tiered@48MiB-256MiB-engine0.log", "2x tiered@48MiB-256MiB-engine1.log",
                  "hbm-part0.log"):
         (work / name).write_text(f"log of {name}\n{LOG}")
+    # the other engine only saw the first one die: its own log names no cause
+    (work / "2x tiered@48MiB-256MiB-engine0.log").write_text(
+        "x\nvllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
     s = ReplaySetup(model="m", work=work, requests=[], logs=tmp_path / "out" / "failed-logs")
-    kept = keep_logs(s, "2x tiered@48MiB/256MiB")["logs"]
+    got = keep_logs(s, "2x tiered@48MiB/256MiB")
+    kept = got["logs"]
+    assert got["cause"].startswith("ValueError: To serve at least one request")
     assert [p.rsplit("/", 1)[1] for p in kept] == ["2x tiered@48MiB-256MiB-engine0.log",
                                                    "2x tiered@48MiB-256MiB-engine1.log"]
     assert open(kept[1]).read().startswith("log of 2x tiered@48MiB-256MiB-engine1.log")
+    assert "EngineDeadError" in open(kept[0]).read()
     assert keep_logs(s, "pool@64MiB") == {}  # no server log: nothing to keep
     assert keep_logs(ReplaySetup(model="m", work=work, requests=[]), "hbm") == {}
+    # an HTTP 500 mid-replay gets the engine's cause on its table row
+    row = error_row("2x tiered", with_cause("HTTPError: HTTP Error 500: Internal Server Error",
+                                            got["cause"]), HEADER)
+    assert "500: Internal Server Error (server log: ValueError: To serve" in row
+    started = f"vllm serve exited (1): {got['cause']}\n{LOG}"
+    assert with_cause(started, got["cause"]) == started  # (said once)

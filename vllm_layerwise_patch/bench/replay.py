@@ -269,7 +269,9 @@ def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
             results[name] = run_config(s, name, cap, restart=rs, exact=ex,
                                        pool_extra={"admission": rule} if rule else None)
         except Exception as exc:  # noqa: BLE001 - reported in the summary
-            results[name] = {"error": f"{type(exc).__name__}: {exc}", **keep_logs(s, name)}
+            kept = keep_logs(s, name)
+            results[name] = {**kept, "error": with_cause(f"{type(exc).__name__}: {exc}",
+                                                         kept.get("cause"))}
         if cap is not None:
             results[name]["capacity_bytes"] = parse_size(cap)
         shutil.rmtree(s.work / f"pool-{name.replace('/', '-')}", ignore_errors=True)
@@ -283,15 +285,33 @@ def run_all(s: ReplaySetup, capacities: list[str], *, restart: bool = False,
 
 def keep_logs(s: ReplaySetup, config: str) -> dict[str, Any]:
     """A failed configuration's server logs copied to ``s.logs`` (the work
-    directory goes with the run): ``{"logs": [their paths]}``, or nothing."""
+    directory goes with the run): ``{"logs": [their paths], "cause": the
+    first exception one of them shows}`` (an engine's own before another's
+    "engine dead"), or nothing."""
+    from ..testing.server import root_cause
+
     if s.logs is None:
         return {}
-    kept = []
+    kept, causes = [], []
     for log in sorted(s.work.glob(f"{config.replace('/', '-')}-*.log")):
         s.logs.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(log, s.logs / log.name)
         kept.append(str(s.logs / log.name))
-    return {"logs": kept} if kept else {}
+        causes.append(root_cause(log.read_text(errors="replace")))
+    if not kept:
+        return {}
+    named = [c for c in causes if not c.startswith("(")]
+    return {"logs": kept, "cause": next((c for c in named if "EngineDeadError" not in c),
+                                        named[0] if named else None)}
+
+
+def with_cause(error: str, cause: str | None) -> str:
+    """``error`` with the server log's ``cause`` on its first line (an HTTP
+    500 names none), unless it says it already."""
+    if not cause or cause in error:
+        return error
+    first, sep, rest = error.partition("\n")
+    return f"{first} (server log: {cause}){sep}{rest}"
 
 
 def finish(results: dict[str, dict[str, Any]], caps: list[str], exact: int = 0

@@ -89,7 +89,8 @@ def breakdown(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float |
 
 def error_row(name: str, error: str, header: str, limit: int = 160) -> str:
     """A table row for a configuration that failed: its name, the error's
-    first line (cut to ``limit``), and as many empty cells as ``header`` has columns left."""
+    first line (cut to ``limit``), and as many empty cells as ``header``
+    has columns left."""
     first = (error.splitlines() or [""])[0].replace("|", "/")  # (one table row)
     return f"| {name} | error: {first[:limit]} |" + " |" * (header.count("|") - 3)
 

@@ -42,14 +42,17 @@ def server_args(model: str, *, port: int, pool: dict[str, Any] | None = None,
     return args + list(extra or [])
 
 
-_RAISED = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): .+$", re.M)
+# an exception's last line, bare or behind vLLM's log prefix
+# ("(EngineCore pid=7) ERROR 12-07 04:15:33 [core.py:1512] ValueError: ...")
+_RAISED = re.compile(r"^(?:\([^)\n]*\) )?(?:ERROR \S+ \S+ \[[^\]\n]*\] )?"
+                     r"((?:[\w.]+\.)?\w*(?:Error|Exception): .+)$", re.M)
 
 
 def root_cause(log: str) -> str:
     """The first exception a failed server's log shows (the engine core's,
     not the front end's "initialization failed" that follows it)."""
     m = _RAISED.search(log)
-    return m.group(0).strip() if m else "(no exception in the log)"
+    return m.group(1).strip() if m else "(no exception in the log)"
 
 
 class VllmServer:
