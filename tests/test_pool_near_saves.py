@@ -95,3 +95,34 @@ def test_near_saves_cold_writes_both_tiers_the_near_copy_cold(cluster, tmp_path)
     uses = _last_uses(be.near, h)
     assert uses and all(t < time.time() - COLD_AGE + 60 for t in uses)
     be.close()
+
+
+def test_a_save_one_tier_has_no_room_for_is_not_logged_as_that_tier_failing(tmp_path, caplog):
+    """Two real LMDB tiers: a batch larger than half the near tier is
+    skipped there (PoolFull) and kept far; that is said as a skip, and a
+    real near-tier fault afterwards still gets its own warning (the skip
+    used to take the tier's one 'failed' warning and silence the fault)."""
+    import logging
+
+    from vllm_layerwise_patch.pool.backends.base import FaultInjectingBackend
+    from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
+    from vllm_layerwise_patch.pool.backends.tiered.backend import TieredBackend
+
+    near = LmdbBackend(str(tmp_path / "near"), 4 << 20, pin_seconds=0)
+    far = LmdbBackend(str(tmp_path / "far"), 64 << 20, pin_seconds=0)
+    be = TieredBackend(near, far, promote=False)
+    big = [(f"{'ab' * 16}/attn/{i:064x}/0/3".encode(), bytes(512 << 10)) for i in range(5)]
+    caplog.set_level(logging.WARNING, logger="vllm.layerwise_patch")
+    be.put_many(big)  # 2.5 MiB: more than half of the 4 MiB near tier
+    assert far.exists_many([k for k, _ in big]) == [True] * 5
+    assert near.exists_many([k for k, _ in big]) == [False] * 5
+    said = [r.getMessage() for r in caplog.records]
+    assert any("the near tier skipped a save" in m for m in said), said
+    assert not any("the near tier failed" in m for m in said), said
+    be.near = FaultInjectingBackend(near, "save")  # (tests' fault knob: a failing tier)
+    be.put_many(big[:1])
+    said = [r.getMessage() for r in caplog.records]
+    assert any("the near tier failed" in m and "injected fault" in m for m in said), said
+    assert be.tier_counts["near_save_failures"] == 2
+    near.close()
+    far.close()

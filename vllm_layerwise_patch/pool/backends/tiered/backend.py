@@ -45,7 +45,7 @@ from typing import Any
 
 from ...faults import faults
 from ...logs import LogOnce
-from ..base import Backend, values_from_reads
+from ..base import Backend, PoolFull, values_from_reads
 from ..generation import Generation
 from .promotion import Promoter
 
@@ -224,6 +224,12 @@ class TieredBackend(Backend):
         for tier, backend, kw in tiers:
             try:
                 backend.put_many(items, **kw)
+            except PoolFull as exc:  # no room there for this batch: not a fault of the tier
+                errors[tier] = exc
+                self.counts.add(f"{tier}_save_failures")
+                self.log.warning(f"{tier}-full", "vllm-layerwise-patch pool: the %s tier "
+                                 "skipped a save (%s); the other tier holds those blocks "
+                                 "(further skips are not logged)", tier, exc)
             except Exception as exc:  # noqa: BLE001 - the other tier may take it
                 errors[tier] = exc
                 self.counts.add(f"{tier}_save_failures")
