@@ -24,6 +24,7 @@ import _results
 from bench_scale import PAGE, _block, _hash
 
 from vllm_layerwise_patch.pool.backends.lmdb.sharded import open_pool
+from vllm_layerwise_patch.pool.backends.lmdb.shards import shard_of
 
 
 WARM = 600  # puts per variant before timing (the first ones run slower)
@@ -96,21 +97,22 @@ def pool_puts(tmp: str, n: int) -> dict:
     i = 0
     while min((len(by.get(s, ())) for s in range(8)), default=0) < 4 * (n + WARM):
         items = _block(_hash(i), tiny)
-        by.setdefault(next(iter(sharded._split([items[0][0]]))), []).append(items)
+        by.setdefault(shard_of(items[0][0], sharded.n), []).append(items)
         i += 1
 
     def join(blocks):
         return [kv for b in blocks for kv in b]
 
+    def fours(s: int) -> list:  # puts of 4 blocks, all of shard ``s``
+        return [join(by[s][4 * k:4 * k + 4]) for k in range(n + WARM)]
+
     variants = {  # name: (pool, its batches), each timed in turn, round by round
-        "sharded_4_blocks_one_shard_us": (sharded, [join(by[0][4 * k:4 * k + 4])
-                                                    for k in range(n + WARM)]),
+        "sharded_4_blocks_one_shard_us": (sharded, fours(0)),
         "sharded_4_blocks_4_shards_us": (sharded, [join(by[s][k] for s in (1, 2, 3, 4))
                                                    for k in range(n + WARM)]),
         "sharded_1_block_us": (sharded, by[5][:n + WARM]),
         "shard_direct_1_block_us": (sharded.shards[6], by[6][:n + WARM]),
-        "unsharded_4_blocks_us": (single, [join(by[7][4 * k:4 * k + 4])
-                                           for k in range(n + WARM)]),
+        "unsharded_4_blocks_us": (single, fours(7)),
     }
     its = {name: iter(batches) for name, (_, batches) in variants.items()}
     for name, (pool, _) in variants.items():

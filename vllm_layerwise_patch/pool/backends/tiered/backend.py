@@ -224,16 +224,15 @@ class TieredBackend(Backend):
         for tier, backend, kw in tiers:
             try:
                 backend.put_many(items, **kw)
-            except PoolFull as exc:  # no room there for this batch: not a fault of the tier
-                errors[tier] = exc
-                self.counts.add(f"{tier}_save_failures")
-                self.log.warning(f"{tier}-full", "vllm-layerwise-patch pool: the %s tier "
-                                 "skipped a save (%s); the other tier holds those blocks "
-                                 "(further skips are not logged)", tier, exc)
             except Exception as exc:  # noqa: BLE001 - the other tier may take it
                 errors[tier] = exc
                 self.counts.add(f"{tier}_save_failures")
-                self._warn(tier, exc)
+                if isinstance(exc, PoolFull):  # no room for this batch: not a tier fault
+                    self.log.warning(f"{tier}-full", "vllm-layerwise-patch pool: the %s tier "
+                                     "skipped a save (%s); the other tier holds those "
+                                     "blocks (further skips are not logged)", tier, exc)
+                else:
+                    self._warn(tier, exc)
         if len(errors) == len(tiers):
             raise errors["far"]
 
