@@ -72,6 +72,16 @@ CARRIED_TREE = {
             def requires_mamba_state_copy_after_layer_load(self):
                 return True
     """,
+    "vllm_ascend/patch/platform/patch_mamba_manager.py": """
+        class AscendMambaManager(MambaManager):
+            def get_num_blocks_to_allocate(self, request_id, num_tokens, *args):
+                n = super().get_num_blocks_to_allocate(request_id, num_tokens, *args)
+                if external and new_tokens:
+                    n += 1
+                return n
+
+        single_type_kv_cache_manager.MambaManager = AscendMambaManager
+    """,
 }
 
 # The same objects overridden without the behaviour: the overlay's wrappers
@@ -114,6 +124,14 @@ BYPASS_TREE = {
 
         sched_module.Scheduler = OwnScheduler
     """,
+    # replaces MambaManager without counting the external hit's block
+    "vllm_ascend/patch/platform/patch_mamba_manager.py": """
+        class OwnMambaManager(MambaManager):
+            def get_num_blocks_to_allocate(self, *args):
+                return super().get_num_blocks_to_allocate(*args)
+
+        single_type_kv_cache_manager.MambaManager = OwnMambaManager
+    """,
 }
 
 
@@ -139,11 +157,12 @@ def test_the_merged_form_is_carried(tmp_path):
     got = states(CARRIED_TREE, tmp_path)
     for pid in ("hybrid-block-size", "deferred-mamba-precopy", "gdn-layer-hooks",
                 "kda-layer-hooks", "kda-k3-layer-hooks", "bytewise-precopy-kernel",
-                "multi-connector-layer-copy"):
+                "multi-connector-layer-copy", "mamba-external-hit-blocks"):
         assert got[pid][0] == "carried", (pid, got[pid])
         assert got[pid][1].startswith("carried by vllm-ascend 9.9.9: "), got[pid]
     assert "#15479" in got["deferred-mamba-precopy"][1]
     assert "#16320" in got["kda-k3-layer-hooks"][1]
+    assert "AscendMambaManager" in got["mamba-external-hit-blocks"][1]
     # no rule decides it: resolution goes on to the source (absent here)
     assert got["hybrid-load-recompute"][0] == "absent"
     assert got["kda-k3-amd-layer-hooks"][0] == "not-needed"
@@ -161,6 +180,9 @@ def test_overrides_without_the_behaviour_are_bypasses(tmp_path):
     # overlay's own patches apply there
     assert got["hybrid-block-size"][0] == "absent"
     assert got["bytewise-precopy-kernel"][0] == "absent"
+    # a MambaManager override that adds nothing: the overlay's wrapper on
+    # vLLM's method (reached through super()) still counts the block
+    assert got["mamba-external-hit-blocks"][0] == "absent"
 
 
 def test_without_a_plugin_nothing_changes(tmp_path):

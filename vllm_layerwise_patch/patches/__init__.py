@@ -21,6 +21,7 @@ PATCH_MODULES = (
     "bytewise_precopy_kernel",
     "multi_connector_layer_copy",
     "hybrid_load_recompute",
+    "mamba_external_hit_blocks",
     "weights_digest_during_load",
     "weight_update_namespace",
     "lora_digest_at_load",

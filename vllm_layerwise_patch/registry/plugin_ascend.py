@@ -191,6 +191,27 @@ def _ascend_scheduler(src: PluginSource) -> PluginVerdict | None:
     return None
 
 
+def _ascend_mamba_manager(src: PluginSource) -> PluginVerdict | None:
+    for path in src.attribute_assignments(_A + "patch/", "MambaManager"):
+        tree = src.tree(path)
+        for node in ast.walk(tree) if tree is not None else ():
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and any(
+                    isinstance(t, ast.Attribute) and t.attr == "MambaManager"
+                    for t in node.targets)):
+                continue
+            fn = _methods(src.cls(path, node.value.id)).get("get_num_blocks_to_allocate")
+            adds_one = any(isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
+                           and isinstance(n.value, ast.Constant) and n.value.value == 1
+                           for n in ast.walk(fn)) if fn is not None else False
+            if adds_one and _calls_super(fn, "get_num_blocks_to_allocate"):
+                return PluginVerdict("carried", f"vllm-ascend replaces vLLM's MambaManager with "
+                                     f"its {node.value.id} ({path.removeprefix(_A)}), whose "
+                                     "get_num_blocks_to_allocate adds the external hit's "
+                                     "block to vLLM's estimate (vllm-ascend #11129); the "
+                                     "overlay's wrapper would count it twice")
+    return None
+
+
 #: patch id -> rule
 ASCEND_RULES: dict[str, Callable[[PluginSource], PluginVerdict | None]] = {
     "hybrid-block-size": _ascend_hybrid_block_size,
@@ -202,6 +223,7 @@ ASCEND_RULES: dict[str, Callable[[PluginSource], PluginVerdict | None]] = {
     "bytewise-precopy-kernel": _ascend_bytewise,
     "multi-connector-layer-copy": _ascend_multi_connector,
     "hybrid-load-recompute": _ascend_scheduler,
+    "mamba-external-hit-blocks": _ascend_mamba_manager,
 }
 
 
