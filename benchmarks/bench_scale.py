@@ -10,7 +10,8 @@ engines sharing it, and the medium under it - each curve from one run.
   (including LMDB's stale-reader check) - median and p99 per operation;
   with ``--entries-shards N`` the same curve again on sharded pools
   (``entries_sharded``; its eviction round is one shard's);
-* ``engines``: 1, 2 and 4 processes saving and loading 160 KiB pages at once,
+* ``engines``: 1, 2 and 4 processes saving and loading 160 KiB pages
+  (``--page-kib``), packed in place as the engine's send thread does, at once,
   side by side in one run on three layouts: one unsharded pool (one LMDB
   environment), one sharded pool (``--shards`` environments under one path,
   the default layout) and a pool per process: aggregate and per-process
@@ -40,6 +41,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -50,7 +52,7 @@ import types
 
 import _results
 
-from vllm_layerwise_patch.pool.backends.base import PoolFull, pack
+from vllm_layerwise_patch.pool.backends.base import HEADER_SIZE, PoolFull, header, pack
 from vllm_layerwise_patch.pool.backends.lmdb.backend import LmdbBackend
 from vllm_layerwise_patch.pool.backends.lmdb.sharded import open_pool
 from vllm_layerwise_patch.pool.config import PoolConfig
@@ -61,7 +63,7 @@ from vllm_layerwise_patch.pool.scheduler.planner import PoolScheduler
 NS = b"S" * 16
 BLOCK, HIT = 640, 16
 TINY = 64  # bytes per page in the entries curve
-PAGE = 160 << 10  # bytes per page in the engines and medium curves
+PAGE = 160 << 10  # bytes per page in the engines, shards and medium curves
 #: the engines and shards curves: every process saves this long, untimed, before
 #: its timed window, so a layout's pools are full and evicting when timing
 #: starts (a pool's first fill runs several times slower: every page's first
@@ -78,10 +80,41 @@ def _hash(i: int) -> bytes:
 
 def _block(h: bytes, page: bytes) -> list[tuple[bytes, bytes]]:
     """A block's items, each value naming its key (``page``: the payload)."""
-    items = [(page_key(NS, ATTN, h, 0, "3"), page), (marker_key(NS, ATTN, h, 0), b"")]
-    items += [(page_key(NS, STATE, h, 0, str(i)), page) for i in range(3)]
-    items += [(marker_key(NS, STATE, h, 0), b"")]
-    return [(k, pack(NS, k, v)) for k, v in items]
+    return [(k, pack(NS, k, page if is_page else b"")) for k, is_page in _block_keys(h)]
+
+
+class _Arena:
+    """A process's values packed in place, as the engine's send thread does
+    (:class:`...worker.send_thread.PackArena`): header and payload copied
+    into one buffer reused by every put, so a put allocates no page-sized
+    objects (at 2 MiB pages, fresh ``bytes`` cost as much system time in
+    page faults as the saves themselves)."""
+
+    def __init__(self, page: int, values: int) -> None:
+        self.stride = (HEADER_SIZE + page + 63) & ~63
+        self.buf = memoryview(bytearray(self.stride * values))
+        self.off = 0
+
+    def block(self, h: bytes, page: bytes) -> list[tuple[bytes, bytes]]:
+        """:func:`_block`'s items, the page values in the arena."""
+        items = []
+        for k, v in _block_keys(h):
+            if v:
+                view = self.buf[self.off:self.off + HEADER_SIZE + len(page)]
+                view[HEADER_SIZE:] = page
+                view[:HEADER_SIZE] = header(NS, k, view[HEADER_SIZE:])
+                self.off += self.stride
+                items.append((k, view))
+            else:
+                items.append((k, pack(NS, k, b"")))
+        return items
+
+
+def _block_keys(h: bytes) -> list[tuple[bytes, bool]]:
+    """A block's keys (True: a page, False: a commit marker)."""
+    return ([(page_key(NS, ATTN, h, 0, "3"), True), (marker_key(NS, ATTN, h, 0), False)]
+            + [(page_key(NS, STATE, h, 0, str(i)), True) for i in range(3)]
+            + [(marker_key(NS, STATE, h, 0), False)])
 
 
 def _scheduler(backend: LmdbBackend, page_bytes: int, ttl: float) -> PoolScheduler:
@@ -221,22 +254,28 @@ def _worker(path: str, cap: int, shards: int, seconds: float, start: float, q,
         env_owner.env = _TimedEnv(env_owner.env, lock_wait)
     payload = os.urandom(PAGE)
     pid = os.getpid()
+    arena = _Arena(PAGE, 16)
+
+    def put_items(i: int) -> list[tuple[bytes, bytes]]:  # (4 blocks, 16 pages)
+        arena.off = 0
+        return [kv for b in range(4) for kv in arena.block(_hash(pid * 10**6 + i * 4 + b),
+                                                           payload)]
+
     while time.time() < start:
         time.sleep(0.001)
     i = 0
     while time.time() < start + WARM_S:  # fill (first touch of every page) and evict
         try:
-            be.put_many([kv for b in range(4) for kv in _block(_hash(pid * 10**6 + i * 4 + b),
-                                                                 payload)])
+            be.put_many(put_items(i))
         except PoolFull:
             pass
         i += 1
-    saved = loaded = skipped = missed = 0
+    saved = loaded = skipped = missed = puts = 0
     put_s, waits = [], []
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     end = time.time() + seconds
     while time.time() < end:
-        items = [kv for b in range(4) for kv in _block(_hash(pid * 10**6 + i * 4 + b),
-                                                         payload)]
+        items = put_items(i)
         t0, w0 = time.perf_counter(), lock_wait[0] + be.writer_wait_seconds
         try:
             be.put_many(items)
@@ -253,15 +292,22 @@ def _worker(path: str, cap: int, shards: int, seconds: float, start: float, q,
         missed += sum(len(v) for _, v in items) - got[0]
         loaded += got[0]
         i += 1
+        puts += 1
         if forward_s:  # (the engine's forward between saves: the CPU is free)
             time.sleep(forward_s)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
     be.close()
     put_s, waits = put_s or [0.0], waits or [0.0]
     q.put({"saved_bytes": saved, "loaded_bytes": loaded, "missed_bytes": missed,
            "seconds": seconds,
            "put_median_ms": statistics.median(put_s) * 1e3, "skipped_puts": skipped,
            "lock_wait_ms_per_put": statistics.fmean(waits) * 1e3,
-           "lock_wait_p99_ms": sorted(waits)[int(len(waits) * 0.99)] * 1e3})
+           "lock_wait_p99_ms": sorted(waits)[int(len(waits) * 0.99)] * 1e3,
+           # where a round trip's CPU goes (the processes' own accounting)
+           "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
+           "minor_faults": r1.ru_minflt - r0.ru_minflt,
+           "switches": (r1.ru_nvcsw - r0.ru_nvcsw) + (r1.ru_nivcsw - r0.ru_nivcsw),
+           "puts": puts})
 
 
 def _concurrent(paths: list[str], cap: int, seconds: float, shards: int = 1,
@@ -289,12 +335,24 @@ def _concurrent(paths: list[str], cap: int, seconds: float, shards: int = 1,
             "skipped_puts": sum(r["skipped_puts"] for r in res),
             "lock_wait_ms_per_put": round(statistics.fmean(
                 r["lock_wait_ms_per_put"] for r in res), 3),
-            "lock_wait_p99_ms": round(max(r["lock_wait_p99_ms"] for r in res), 3)}
+            "lock_wait_p99_ms": round(max(r["lock_wait_p99_ms"] for r in res), 3),
+            **_cpu_cost(res)}
+
+
+def _cpu_cost(res: list[dict]) -> dict:
+    """CPU seconds (user, system) and minor page faults per GB saved (and
+    read back), and context switches per put, over every process."""
+    gb = max(1, sum(r["saved_bytes"] for r in res)) / 1e9
+    puts = max(1, sum(r["puts"] for r in res))
+    return {"user_s_per_GB": round(sum(r["user_s"] for r in res) / gb, 3),
+            "sys_s_per_GB": round(sum(r["sys_s"] for r in res) / gb, 3),
+            "minor_faults_per_GB": round(sum(r["minor_faults"] for r in res) / gb),
+            "switches_per_put": round(sum(r["switches"] for r in res) / puts, 2)}
 
 
 #: the keys of scale.json each curve writes (``--update`` keeps the others)
 CURVE_KEYS = ("entries", "ratios_largest_to_smallest", "shards_entries", "entries_sharded",
-              "ratios_largest_to_smallest_sharded", "engines", "engines_paced", "forward_ms",
+              "ratios_largest_to_smallest_sharded", "engines", "engines_paced", "forward_ms", "page_kib",
               "shards_curve", "medium", "hit_cache")
 
 #: the three layouts of the engines curve
@@ -421,7 +479,7 @@ def _plot(out_dir: str, doc: dict) -> None:
             ax.plot([p["processes"] for p in e], [p[kind]["load_GBps_total"] for p in e],
                     "s--", label=f"load, {kind}")
         ax.set(xlabel="processes", ylabel="GB/s (all processes)",
-               title="LMDB pool: engines per pool (160 KiB pages)")
+               title=f"LMDB pool: engines per pool ({doc.get('page_kib', 160)} KiB pages)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "engines.png"))
@@ -429,7 +487,8 @@ def _plot(out_dir: str, doc: dict) -> None:
 
 def _engines_table(doc: dict, curve: str) -> list[str]:
     paced = curve == "engines_paced"
-    lines = [f"## Engines per pool{', paced' if paced else ''} (160 KiB pages; each process "
+    lines = [f"## Engines per pool{', paced' if paced else ''} ({doc.get('page_kib', 160)} "
+             "KiB pages; each process "
              "saves 4 blocks, then reads them back, in a loop"
              + (f", sleeping {doc['forward_ms']} ms after each (an engine's forward: the "
                 "processes' CPU demand stays under the machine's cores)" if paced else
@@ -441,11 +500,14 @@ def _engines_table(doc: dict, curve: str) -> list[str]:
              "each figure from the round of median save rate. Writer wait: the put's median "
              "minus the same layout's put alone (1 process); lock wait: time blocked on a "
              "writer per put (the pool's turn among puts and LMDB's write lock), measured "
-             "(mean; p99 of the worst process).", "",
+             "(mean; p99 of the worst process). CPU per GB: the processes' own "
+             "accounting (getrusage) over the timed window, per GB saved and read back; "
+             "times the GB/s, the cores the layout kept busy.", "",
              "| processes | GB/s saved (= read): one pool / sharded / separate | sharded "
              "/ separate | one pool / separate | slowest process: one pool / sharded | "
              "writer wait per put: one pool / sharded | lock wait per put (mean / p99): "
-             "one pool / sharded |", "|---|---|---|---|---|---|---|"]
+             "one pool / sharded | CPU s per GB saved (user + system, every process): "
+             "one pool / sharded / separate |", "|---|---|---|---|---|---|---|---|"]
     for e in doc[curve]:
         o, s, p = (e[k] for k in LAYOUTS)
         r = e["save_ratio_to_separate"]
@@ -454,8 +516,16 @@ def _engines_table(doc: dict, curve: str) -> list[str]:
                      f"{o['save_GBps_per_process']} / {s['save_GBps_per_process']} | "
                      f"{e['writer_wait_ms']} / {e['sharded_writer_wait_ms']} ms | "
                      f"{o['lock_wait_ms_per_put']} / {o['lock_wait_p99_ms']} ms; "
-                     f"{s['lock_wait_ms_per_put']} / {s['lock_wait_p99_ms']} ms |")
+                     f"{s['lock_wait_ms_per_put']} / {s['lock_wait_p99_ms']} ms | "
+                     + " / ".join(_cpu_per_gb(x) for x in (o, s, p)) + " |")
     return lines + [""]
+
+
+def _cpu_per_gb(run: dict) -> str:
+    """A layout's CPU seconds per GB saved (runs before the figure: -)."""
+    if "user_s_per_GB" not in run:
+        return "-"
+    return f"{run['user_s_per_GB'] + run['sys_s_per_GB']:.2f}"
 
 
 def _summary(out_dir: str, doc: dict) -> None:
@@ -511,6 +581,7 @@ def _summary(out_dir: str, doc: dict) -> None:
 
 
 def main() -> None:
+    global PAGE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "scale"))
     ap.add_argument("--quick", action="store_true", help="10^3 and 10^4 blocks, short runs")
@@ -527,9 +598,12 @@ def main() -> None:
     ap.add_argument("--update", action="store_true",
                     help="keep the curves not run now from the scale.json already in --out "
                          "(its 'runs' say which run measured which curve)")
+    ap.add_argument("--page-kib", type=int, default=PAGE >> 10,
+                    help="bytes per page (KiB) of the engines, shards and medium curves")
     ap.add_argument("--entries-shards", type=int, default=0,
                     help="also run the entries curve on pools of this many shards")
     args = ap.parse_args()
+    PAGE = args.page_kib << 10  # (the workers are forked: they see it)
     curves = set(args.curves.split(","))
     sizes = (10**3, 10**4) if args.quick else (10**3, 10**4, 10**5, 10**6)
     seconds = 2.0 if args.quick else 6.0
@@ -565,7 +639,7 @@ def main() -> None:
                   doc["ratios_largest_to_smallest_sharded"])
         if "engines" in curves:
             counts = tuple(int(k) for k in args.engines.split(","))
-            doc["forward_ms"] = args.forward_ms
+            doc["forward_ms"], doc["page_kib"] = args.forward_ms, args.page_kib
             for curve, fwd in (("engines", 0.0), ("engines_paced", args.forward_ms / 1e3)):
                 if curve == "engines_paced" and not fwd:
                     continue
