@@ -84,11 +84,14 @@ def _block(h: bytes, page: bytes) -> list[tuple[bytes, bytes]]:
 
 
 class _Arena:
-    """A process's values packed in place, as the engine's send thread does
-    (:class:`...worker.send_thread.PackArena`): header and payload copied
-    into one buffer reused by every put, so a put allocates no page-sized
-    objects (at 2 MiB pages, fresh ``bytes`` cost as much system time in
-    page faults as the saves themselves)."""
+    """A process's values packed in place: the memory work of the engine's
+    send thread (:class:`...worker.send_thread.PackArena`) - header and
+    payload copied into one buffer reused by every put, so a put allocates
+    no page-sized objects (at 2 MiB pages, fresh ``bytes`` cost as much
+    system time in page faults as the saves themselves).  Not PackArena
+    itself: its torch and numpy calls cost about 0.2-0.4 s per GB more at
+    160 KiB pages here, the same for every layout, which would hide the
+    pool's own cost this bench compares."""
 
     def __init__(self, page: int, values: int) -> None:
         self.stride = (HEADER_SIZE + page + 63) & ~63
@@ -352,8 +355,8 @@ def _cpu_cost(res: list[dict]) -> dict:
 
 #: the keys of scale.json each curve writes (``--update`` keeps the others)
 CURVE_KEYS = ("entries", "ratios_largest_to_smallest", "shards_entries", "entries_sharded",
-              "ratios_largest_to_smallest_sharded", "engines", "engines_paced", "forward_ms", "page_kib",
-              "shards_curve", "medium", "hit_cache")
+              "ratios_largest_to_smallest_sharded", "engines", "engines_paced", "forward_ms",
+              "page_kib", "shards_curve", "medium", "hit_cache")
 
 #: the three layouts of the engines curve
 LAYOUTS = ("one_pool", "sharded_pool", "separate_pools")
@@ -608,6 +611,8 @@ def main() -> None:
     sizes = (10**3, 10**4) if args.quick else (10**3, 10**4, 10**5, 10**6)
     seconds = 2.0 if args.quick else 6.0
     doc: dict = {"shards": args.shards}
+    if curves & {"engines", "shards", "medium"}:  # (the curves --page-kib sizes)
+        doc["page_kib"] = args.page_kib
     tmp = tempfile.mkdtemp(prefix="vlp-bench-scale-", dir="/dev/shm")
     try:
         if "entries" in curves:
@@ -639,7 +644,7 @@ def main() -> None:
                   doc["ratios_largest_to_smallest_sharded"])
         if "engines" in curves:
             counts = tuple(int(k) for k in args.engines.split(","))
-            doc["forward_ms"], doc["page_kib"] = args.forward_ms, args.page_kib
+            doc["forward_ms"] = args.forward_ms
             for curve, fwd in (("engines", 0.0), ("engines_paced", args.forward_ms / 1e3)):
                 if curve == "engines_paced" and not fwd:
                     continue
