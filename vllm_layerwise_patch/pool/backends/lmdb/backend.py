@@ -27,7 +27,6 @@ smaller than ``capacity`` is refused at startup.  (Writes: :mod:`.generation`.)
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -35,7 +34,7 @@ from collections.abc import Iterable
 
 from ...keys import group_of
 from ..base import Backend, BackendError, PoolFull
-from .gate import Gate, WriterTurn
+from .gate import Gate, GatedTxn, WriterTurn
 from ..generation import REMOVALS, STORES, Generation
 from .eviction import _GROUP, _T, LruEviction
 from .files import file_size, open_environment, unbacked_growth
@@ -90,22 +89,10 @@ class LmdbBackend(Backend):
         return self.eviction.evicted_groups
 
     # -- transactions -------------------------------------------------------------
-    @contextlib.contextmanager
-    def _txn(self, write: bool = False):
-        import lmdb
-
-        for attempt in (0, 1):
-            with self._gate.shared():
-                try:
-                    txn = self.env.begin(write=write, buffers=True)
-                except lmdb.MapResizedError:
-                    if attempt:
-                        raise
-                else:
-                    with txn:
-                        yield txn
-                    return
-            self._adopt_map()
+    def _txn(self, write: bool = False) -> GatedTxn:
+        """``with self._txn(write) as txn``: a transaction under the gate
+        (shared), begun again once on a map another process grew."""
+        return GatedTxn(self, write)
 
     def _adopt_map(self) -> bool:
         """Take the map size another process grew the pool to; True if grown.
@@ -279,9 +266,9 @@ class LmdbBackend(Backend):
         need = sum(len(k) + len(v) for k, v in items)
         if need > self.capacity // 2:
             raise PoolFull(f"a batch of {need} bytes cannot fit a pool of {self.capacity}")
-        with self._turn(wait) as turn:
-            if not turn:
-                return False
+        if not self._turn.acquire(wait):
+            return False
+        try:
             self.calls["put"] += 1
             for attempt in range(4):
                 try:
@@ -301,6 +288,8 @@ class LmdbBackend(Backend):
                                        f"bytes free, {need} needed): {exc}") from None
                     raise BackendError(f"LMDB write failed: {exc}") from None
             raise PoolFull("eviction could not make room")
+        finally:
+            self._turn.release()
 
     def _write(self, items: list[tuple[bytes, bytes]], cold: bool = False) -> None:
         now = time.time() - (COLD_AGE if cold else 0.0)
@@ -340,3 +329,4 @@ class LmdbBackend(Backend):
             self.env.close()
             self._gen.close()
             self._files.close()
+

@@ -35,6 +35,10 @@ from .shards import decide, read_record, shard_name, shard_of
 
 logger = logging.getLogger("vllm.layerwise_patch")
 
+#: keys whose shard :meth:`ShardedLmdbBackend._split` remembers (then it
+#: starts afresh; a few MB): more than a step's saves and a long hit's pages
+_ROUTES_KEPT = 1 << 15
+
 
 class ShardedLmdbBackend(Backend):
     """``N`` shards of one pool directory (``root``, open and checked:
@@ -62,6 +66,7 @@ class ShardedLmdbBackend(Backend):
             root.close()
         self.n = len(self.shards)
         self._turn = 0  # the shard a put starts with (puts spread their waits)
+        self._routes: dict[bytes, int] = {}  # key -> shard (see _split)
         self.refs = 0
         self.closed = False
 
@@ -76,17 +81,19 @@ class ShardedLmdbBackend(Backend):
                 idx.append(i)
                 ks.append(k)
             return out
-        # (shards.shard_of inlined, each block's hash once: a lookup splits
-        # every key of its hit, a save every page)
-        n, memo = self.n, {}
+        # (shards.shard_of inlined, and remembered per key: a save's keys
+        # are read back, a hit's looked up again; the table is bounded)
+        n, routes = self.n, self._routes
+        if len(routes) > _ROUTES_KEPT:
+            routes.clear()
         for i, k in enumerate(keys):
             if type(k) is not bytes:
                 k = bytes(k)
-            parts = k.split(b"/", 3)
-            route = parts[2] if len(parts) > 3 else b"/".join(parts[:2])
-            s = memo.get(route)
+            s = routes.get(k)
             if s is None:
-                s = memo[route] = crc32(route) % n
+                parts = k.split(b"/", 3)
+                s = routes[k] = crc32(parts[2] if len(parts) > 3
+                                      else b"/".join(parts[:2])) % n
             got = out.get(s)
             if got is None:
                 got = out[s] = ([], [])
