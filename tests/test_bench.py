@@ -287,6 +287,7 @@ def test_trace_errors_are_clear(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # (default set: test_server.py serves from the pool)
 def test_trace_replay_through_vllm_serve_hits_the_pool_after_hbm_evicts(tiny_model_dir,
                                                                         tmp_path):
     """The replay's real path, one server: vLLM's cache holds under 4 blocks of

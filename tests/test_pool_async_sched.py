@@ -160,6 +160,7 @@ def race(tiny_model_dir, work, pool_p, name, **faults):
     return served(run.result())
 
 
+@pytest.mark.slow
 def test_an_eviction_before_the_pin_makes_a_miss_not_a_failed_load(tiny_model_dir, work,
                                                                     pool_p, cold_p):
     res = race(tiny_model_dir, work, pool_p, "pin-first")

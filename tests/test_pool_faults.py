@@ -108,6 +108,7 @@ def pool_p(request, tiny_model_dir, work, cold):
 
 # -- eviction on whole blocks ----------------------------------------------------
 
+@pytest.mark.slow  # (default set: test_pool_e2e's pool smaller than the working set)
 def test_hot_prefix_survives_eviction_and_evicted_blocks_are_saved_again(tiny_model_dir,
                                                                          work, cold):
     # One engine, vLLM's prefix cache reset before every prompt (so each HOT

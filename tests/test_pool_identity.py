@@ -60,6 +60,7 @@ def cold_fine(tiny_model_dir, work):
                      llm=FINE))
 
 
+@pytest.mark.slow  # a non-default prefix_match_unit: the slow set, with its control
 def test_finer_prefix_match_unit_hits_only_whole_shared_blocks(tiny_model_dir, work,
                                                                cold_fine):
     pool = {"path": str(work / "fine"), "capacity": "64MiB"}
@@ -71,6 +72,7 @@ def test_finer_prefix_match_unit_hits_only_whole_shared_blocks(tiny_model_dir, w
     assert "prefix hashes every 160" in b["log"]
 
 
+@pytest.mark.slow
 def test_negative_control_blocks_named_by_hashes_i_serve_wrong_tokens(tiny_model_dir, work,
                                                                       cold_fine):
     # The old naming: pool block i keyed by hashes[i], the hash of the first
@@ -91,6 +93,7 @@ def _no_seed_env(**extra):
     return env
 
 
+@pytest.mark.slow  # a non-default hash: the slow set
 def test_xxhash_without_pythonhashseed_is_refused_and_with_it_hits(tiny_model_dir, work,
                                                                   cold_fine):
     pool = {"path": str(work / "xxhash"), "capacity": "64MiB"}

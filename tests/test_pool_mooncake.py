@@ -463,6 +463,7 @@ def cold(tiny_model_dir, work):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # (the default set's Mooncake engine hits: the master kill test)
 def test_two_engine_processes_share_one_pool(tiny_model_dir, work, cold, cluster):
     pool = mc_config(cluster.master_address)
     a = engine(tiny_model_dir, work, [P], pool=pool)
@@ -543,6 +544,7 @@ def test_a_pool_smaller_than_the_working_set_evicts(tiny_model_dir, work, cold, 
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # (default set: test_master_unreachable_at_startup, the backend's own)
 def test_master_unreachable_at_startup_follows_on_backend_unavailable(tiny_model_dir, work,
                                                                       cold):
     dead = f"127.0.0.1:{free_port()}"
@@ -557,6 +559,7 @@ def test_master_unreachable_at_startup_follows_on_backend_unavailable(tiny_model
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # (default set: the unit tests of a silent master, above)
 def test_a_silent_master_at_startup_starts_the_engine_without_the_pool(tiny_model_dir, work,
                                                                      cold):
     # The engine's Mooncake client meets a master that accepts connections

@@ -13,7 +13,10 @@ from vllm_layerwise_patch.mooncake_local import LocalMooncake, free_port
 from vllm_layerwise_patch.testing.engines import (engine_env, kv_metrics, run_engine,
                                                   served, start_engine, toks)
 
-pytestmark = pytest.mark.vllm
+# The tiered backend's engine runs are the slow set (a second backend built of
+# the two the default set runs end to end; its units, test_pool_tiered.py and
+# test_pool_near_saves.py, stay in the default set).
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BLOCK = 640
 FULL = 3 * BLOCK

@@ -349,6 +349,7 @@ PROMPT_LENGTHS = (2000, 1450, 2000)  # P, PA, P
 GDN_LAYERS = 3
 
 
+@pytest.mark.slow  # an engine variant: the kernel-level checks above stay in the default set
 def test_engine_tokens_identical_with_torch_precopy(tiny_model_dir, tmp_path):
     """One engine per kernel (the torch one also zeroes new KV blocks and
     makes vLLM's post-sampling align copies with the host stand-ins), the

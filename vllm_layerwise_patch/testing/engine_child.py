@@ -5,6 +5,7 @@ test's process and never imports vLLM."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -197,6 +198,11 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         return _startup(spec)
     from vllm import LLM, SamplingParams
 
+    # What the imports left is never garbage: frozen, vLLM's own gc.collect()
+    # calls (model loading, memory profiling: about 2 s of an engine's start
+    # with every object of the imports to walk) skip it.  vLLM freezes the
+    # heap likewise once a server started (vllm.utils.gc_utils).
+    gc.freeze()
     kw = _llm_kwargs(spec, spec.get("pool"))
     max_tokens = spec.get("max_tokens", 5)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
