@@ -21,7 +21,8 @@ cd "$root"
 workers=${VLP_TEST_WORKERS-2}
 xdist=()
 if [ "$workers" != "0" ]; then
-  xdist=(-n "$workers" --dist loadfile)
+  # (files in tests/conftest.py's order, longest first: no worker ends alone)
+  xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 fi
 set +e
 "$venv/bin/pytest" -ra --durations=40 "${xdist[@]}" "${select[@]}" "$@"

@@ -49,6 +49,29 @@ def read_reports(directory: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
 
 
+#: The default set's files by measured time, longest first (a stop's
+#: ``--durations``; files not named follow in their own order).  With
+#: ``--no-loadscope-reorder`` (scripts/test.sh) the two workers take files in
+#: this order, so each ends on short ones instead of one worker running a
+#: long file alone at the end.
+LONGEST_FIRST = (
+    "test_pool_e2e.py", "test_pool_failed_loads_e2e.py", "test_pool_faults.py",
+    "test_doctor.py", "test_pool_mooncake.py", "test_pool_async_sched.py",
+    "test_pool_weight_changes.py", "test_server.py", "test_torch_precopy.py",
+    "test_hybrid_patches_e2e.py", "test_bytewise_precopy_kernel.py",
+    "test_pool_admission_e2e.py", "test_pool_security.py", "test_pool_ops_server.py",
+    "test_e2e_overlay.py", "test_pool_weights_during_load.py", "test_torch_postprocess.py",
+    "test_patch_units.py", "test_activation.py", "test_pool_mooncake_objects.py",
+    "test_torch_zeroing.py", "test_bench.py", "test_cpu_emulation.py", "test_pool_races.py",
+    "test_e2e_release.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable)
+
+
 @pytest.fixture(autouse=True)
 def _no_overlay_env(monkeypatch):
     for k in OVERLAY_VARS:

@@ -59,24 +59,30 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model_dir, work):
-    """No pool: P cold, and P again from vLLM's own prefix cache; Q served
-    together (the budget runs' batch), then each cold on its own."""
+def baseline_p(tiny_model_dir, work):
+    """No pool: P cold, and P again from vLLM's own prefix cache."""
     res = engine(tiny_model_dir, work, [P, P], patches="0")
     assert [o["cached"] for o in res["out"]] == [0, 3 * BLOCK]
     assert toks(res)[0] == toks(res)[1]
+    return toks(res)[0]
+
+
+@pytest.fixture(scope="module")
+def baseline_q(tiny_model_dir, work):
+    """No pool: Q served together (the budget runs' batch), then each cold
+    on its own."""
     q = engine(tiny_model_dir, work, None, patches="0", cold=True, llm=WIDE,
                phases=[{"prompts": Q, "batch": True}, {"prompts": Q}])
-    return {"P": toks(res)[0], "Q batch": toks(q)[:2], "Q": toks(q)[2:]}
+    return {"Q batch": toks(q)[:2], "Q": toks(q)[2:]}
 
 
 @pytest.mark.slow  # (default set: test_pool_admission.py's units of the rule, and the budget below)
 def test_reused_saves_a_prompt_the_second_time_and_a_third_engine_hits_it(
-        tiny_model_dir, work, baseline):
+        tiny_model_dir, work, baseline_p):
     pool = {"path": str(work / "reused"), "capacity": "64MiB", "admission": "reused"}
     # seen once: computed, nothing saved - its 3 blocks are counted
     once = engine(tiny_model_dir, work, [P], pool=pool)
-    assert once["out"][0]["cached"] == 0 and toks(once) == [baseline["P"]]
+    assert once["out"][0]["cached"] == 0 and toks(once) == [baseline_p]
     assert total(once, "Blocks not admitted") == 3
     assert total(once, "Blocks saved") == 0
     assert markers(pool["path"]) == {"attn": 0, "state": 0}
@@ -84,19 +90,19 @@ def test_reused_saves_a_prompt_the_second_time_and_a_third_engine_hits_it(
     # prefix cache reset - the second is computed again and saved
     twice = engine(tiny_model_dir, work, [P, P], pool=pool, cold=True)
     assert [o["cached"] for o in twice["out"]] == [0, 0]
-    assert toks(twice) == [baseline["P"]] * 2
+    assert toks(twice) == [baseline_p] * 2
     assert total(twice, "Blocks not admitted") == 3  # the first time only
     assert markers(pool["path"]) == {"attn": 3, "state": 3}
     # a third engine hits all 3 blocks, with vLLM's own tokens
     third = engine(tiny_model_dir, work, [P], pool=pool)
     assert third["out"][0]["cached"] == 3 * BLOCK
     assert total(third, "External hit tokens loaded") == 3 * BLOCK
-    assert toks(third) == [baseline["P"]]
+    assert toks(third) == [baseline_p]
 
 
 @pytest.mark.parametrize("enforced", [pytest.param(False, marks=pytest.mark.slow), True], ids=["ignored", "enforced"])
 def test_a_step_saves_at_most_the_budget_and_the_rest_is_counted(tiny_model_dir, work,
-                                                                 baseline, enforced):
+                                                                 baseline_q, enforced):
     # Q's two prompts prefill in the same steps; a budget of 2 blocks keeps
     # one prompt's save of a step (2 blocks: a hybrid request's save is kept
     # whole) and counts the other's.  Negative control: the budget not
@@ -107,7 +113,7 @@ def test_a_step_saves_at_most_the_budget_and_the_rest_is_counted(tiny_model_dir,
     pool = {"path": str(work / tag), "capacity": "64MiB", "save_budget_blocks": k,
             "debug_event_log": str(log), "debug_save_budget_ignored": not enforced}
     res = engine(tiny_model_dir, work, Q, pool=pool, batch=True, llm=WIDE)
-    assert toks(res) == baseline["Q batch"]
+    assert toks(res) == baseline_q["Q batch"]
     blocks = step_blocks(log)
     over = total(res, "Blocks over the save budget")
     print(f"budget {k} ({tag}): blocks per saving step {blocks}, over the budget {over}")
@@ -128,4 +134,4 @@ def test_a_step_saves_at_most_the_budget_and_the_rest_is_counted(tiny_model_dir,
                    llm=WIDE)
     cached = sorted(o["cached"] for o in again["out"])
     assert cached[0] < 2 * BLOCK and cached[1] > 0, cached
-    assert toks(again) == baseline["Q"]
+    assert toks(again) == baseline_q["Q"]
