@@ -329,4 +329,3 @@ class LmdbBackend(Backend):
             self.env.close()
             self._gen.close()
             self._files.close()
-

@@ -20,7 +20,6 @@ import fcntl
 import logging
 import os
 import threading
-from zlib import crc32
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -81,8 +80,8 @@ class ShardedLmdbBackend(Backend):
                 idx.append(i)
                 ks.append(k)
             return out
-        # (shards.shard_of inlined, and remembered per key: a save's keys
-        # are read back, a hit's looked up again; the table is bounded)
+        # (each key's shard remembered: a save's keys are read back, a hit's
+        # looked up again; the table is bounded)
         n, routes = self.n, self._routes
         if len(routes) > _ROUTES_KEPT:
             routes.clear()
@@ -91,9 +90,7 @@ class ShardedLmdbBackend(Backend):
                 k = bytes(k)
             s = routes.get(k)
             if s is None:
-                parts = k.split(b"/", 3)
-                s = routes[k] = crc32(parts[2] if len(parts) > 3
-                                      else b"/".join(parts[:2])) % n
+                s = routes[k] = shard_of(k, n)
             got = out.get(s)
             if got is None:
                 got = out[s] = ([], [])
