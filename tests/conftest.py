@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 # Engine processes (testing.engines) fork from one pre-imported server per
-# test process instead of a fresh interpreter each: about 10 s of CPU less per
+# test process instead of a fresh interpreter each: 5-10 s of CPU less per
 # engine, the same start from vLLM's import on (testing/fork_server.py).  Set
 # it to 0 to start every engine fresh.
 os.environ.setdefault("VLP_ENGINE_FORK_SERVER", "1")

@@ -1,6 +1,7 @@
 """A fork server for the test suite's engine processes: one process per test
 process imports what vLLM imports and the overlay never patches (torch,
-transformers, numpy, pydantic, the tokenizers), then forks a child for each
+transformers, numpy, pydantic, safetensors, the tokenizers and, where
+installed, openai and fastapi), then forks a child for each
 ``python -m MODULE ARGS`` an :class:`~.engines.EngineRun` asks for.  On a
 2-core machine that saves 5-10 s of CPU per engine start (measured:
 ``from vllm import LLM`` 16 s in a fresh interpreter, 5.4 s in a child).
@@ -25,6 +26,7 @@ children then start with no module of this package imported.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import selectors
@@ -87,7 +89,8 @@ def _serve(path: str) -> dict[str, Any] | None:
     listener.bind(path)
     listener.listen(16)
     parent = os.getppid()
-    print("ready" if _pth_line() else "no vllm_layerwise_patch.pth installed", flush=True)
+    pth = _pth_line()  # (read once: every child runs it)
+    print("ready" if pth else "no vllm_layerwise_patch.pth installed", flush=True)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}
@@ -111,7 +114,7 @@ def _serve(path: str) -> dict[str, Any] | None:
                 for c in children.values():
                     c.close()
                 conn.close()
-                req["fds"] = fds
+                req["fds"], req["pth"] = fds, pth
                 return req
             for fd in fds:
                 os.close(fd)
@@ -161,9 +164,7 @@ def _child(req: dict[str, Any]) -> None:
     os.chdir(req["cwd"])
     os.umask(req["umask"])
     sys.path[0] = os.getcwd()  # (what -m puts first)
-    line = _pth_line()
-    if line:
-        exec(line, {})  # noqa: S102 - the installed start-up hook, as site runs it
+    exec(req["pth"], {})  # noqa: S102 - the installed start-up hook, as site runs it
     sys.argv = ["-m", *req["args"]]
     runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
 
@@ -242,16 +243,22 @@ class _Server:
             self.proc.wait()
             raise RuntimeError(f"fork server did not start: {ready.decode().strip()!r}")
 
+    def _send(self, req: dict[str, Any], fds: list[int]) -> socket.socket:
+        """A connection to the server that carried ``req`` and ``fds``."""
+        body = json.dumps(req).encode()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.path)
+        socket.send_fds(conn, [_LEN.pack(len(body))], fds)
+        conn.sendall(body)
+        return conn
+
     def spawn(self, module: str, args: list[str], env: dict[str, str], cwd: str | None,
               stdout, stderr) -> ForkedProcess:
         umask = os.umask(0o022)
         os.umask(umask)
-        body = json.dumps({"module": module, "args": args, "env": env,
-                           "cwd": os.path.abspath(cwd or os.getcwd()), "umask": umask}).encode()
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self.path)
-        socket.send_fds(conn, [_LEN.pack(len(body))], [stdout.fileno(), stderr.fileno()])
-        conn.sendall(body)
+        conn = self._send({"module": module, "args": args, "env": env,
+                           "cwd": os.path.abspath(cwd or os.getcwd()), "umask": umask},
+                          [stdout.fileno(), stderr.fileno()])
         line = b""
         while not line.endswith(b"\n"):
             part = conn.recv(64)
@@ -262,12 +269,7 @@ class _Server:
 
     def stop(self) -> None:
         try:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.connect(self.path)
-            body = b'{"stop": true}'
-            socket.send_fds(conn, [_LEN.pack(len(body))], [])
-            conn.sendall(body)
-            conn.close()
+            self._send({"stop": True}, []).close()
             self.proc.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
@@ -278,19 +280,21 @@ class _Server:
 
 #: servers by environment (``_strip``ped), the most recently used last
 _servers: dict[frozenset, _Server] = {}
-_KEPT = 2  # (each holds torch & co: ~0.5 GB; a third environment stops the oldest)
+_KEPT = 2  # (each holds torch & co in memory: a third environment stops the oldest)
 _failed = False
 _lock = threading.Lock()
 
 
-def _server_for(env: dict[str, str]) -> _Server:
-    import atexit
+@atexit.register
+def _stop_all() -> None:
+    while _servers:
+        _servers.popitem()[1].stop()
 
+
+def _server_for(env: dict[str, str]) -> _Server:
     key = frozenset(env.items())
     server = _servers.pop(key, None)
     if server is None:
-        if not _servers:
-            atexit.register(lambda: [s.stop() for s in list(_servers.values())])
         server = _Server(env)
         while len(_servers) >= _KEPT:
             _servers.pop(next(iter(_servers))).stop()
