@@ -4,14 +4,16 @@ engines sharing it, and the medium under it - each curve from one run.
 * ``entries``: pools pre-filled with N blocks (two groups each, as the tiny
   hybrid: a state group of three layer pages and an attention group of one,
   each with its commit marker; tiny pages, since the count is what matters):
-  the scheduler's lookup of a 16-block hit with the hit cache cold (every
+  the scheduler's lookup of a 16-block hit (one stored prompt's blocks,
+  named as the scheduler names them) with the hit cache cold (every
   lookup asks the backend and verifies every page) and warm, a save
   transaction of one block, one eviction round, and opening the pool
   (including LMDB's stale-reader check) - median and p99 per operation;
   with ``--entries-shards N`` the same curve again on sharded pools
   (``entries_sharded``; its eviction round is one shard's);
 * ``engines``: 1, 2 and 4 processes saving and loading 160 KiB pages
-  (``--page-kib``), packed in place as the engine's send thread does, at once,
+  (``--page-kib``; each save the next 4 blocks of a long prompt, named as
+  the scheduler names them), packed in place as the engine's send thread does, at once,
   side by side in one run on three layouts: one unsharded pool (one LMDB
   environment), one sharded pool (``--shards`` environments under one path,
   the default layout) and a pool per process: aggregate and per-process
@@ -38,6 +40,7 @@ Writes ``scale.json`` and one PNG per curve (matplotlib, when installed).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -75,7 +78,28 @@ ENGINES_CAPACITY = 1 << 30
 
 
 def _hash(i: int) -> bytes:
-    return i.to_bytes(8, "big") * 4
+    """Block ``i``'s prefix hash (uniform bytes, as vLLM's: a sharded pool
+    routes a name by its first bytes)."""
+    return hashlib.sha256(i.to_bytes(8, "big")).digest()
+
+
+def _layout(page_bytes: int) -> PoolLayout:
+    """The layout of the blocks saved here: 3 state layers, 1 attention layer."""
+    return PoolLayout(kinds=("state", "attn"), block_size=BLOCK, hash_block_size=BLOCK,
+                      group_layers=(("model.layers.0.x", "model.layers.1.x",
+                                     "model.layers.2.x"), ("model.layers.3.x",)),
+                      page_bytes=page_bytes)
+
+
+class _Chain:
+    """A long prompt's prefix hashes, made as they are read: ``start + k``
+    for block ``k``."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def __getitem__(self, k: int) -> bytes:
+        return _hash(self.start + k)
 
 
 def _block(h: bytes, page: bytes) -> list[tuple[bytes, bytes]]:
@@ -121,10 +145,7 @@ def _block_keys(h: bytes) -> list[tuple[bytes, bool]]:
 
 
 def _scheduler(backend: LmdbBackend, page_bytes: int, ttl: float) -> PoolScheduler:
-    layout = PoolLayout(kinds=("state", "attn"), block_size=BLOCK, hash_block_size=BLOCK,
-                        group_layers=(("model.layers.0.x", "model.layers.1.x",
-                                       "model.layers.2.x"), ("model.layers.3.x",)),
-                        page_bytes=page_bytes)
+    layout = _layout(page_bytes)
     return PoolScheduler(vllm_config=types.SimpleNamespace(kv_transfer_config=None),
                          layout=layout, backend=backend, namespace=NS,
                          config=PoolConfig.from_extra({"hit_cache_ttl": ttl}))
@@ -155,19 +176,28 @@ class _Point:
         self.cap = ((64 << 20) + n * 3200) * (1 if shards == 1 else 2)
         self.be = open_pool(self.path, self.cap, shards, pin_seconds=0)
         self.page = os.urandom(TINY)
+        # the pool holds prompts of HIT blocks (block i: prompt i // HIT, its
+        # hash _hash(i)), named as the scheduler names them
+        layout = _layout(TINY)
+
+        def name(i: int) -> bytes:
+            return layout.block_hash(_Chain(i - i % HIT), i % HIT)
+
         t0 = time.perf_counter()
         for start in range(0, n, 2000):  # steps of 2000 blocks, as engines save them
             self.be.put_many([kv for i in range(start, min(n, start + 2000))
-                              for kv in _block(_hash(i), self.page)])
+                              for kv in _block(name(i), self.page)])
         st = self.be.stats()
         self.out = {"blocks": n, "groups": st["groups"], "entries": st["entries"],
                     "fill_s": round(time.perf_counter() - t0, 2)}
         rng = __import__("random").Random(n)
-        self.hits = [[_hash(rng.randrange(n)) for _ in range(HIT)] for _ in range(reps)]
+        # a hit: a random prompt's blocks
+        self.hits = [[_hash(p + k) for k in range(HIT)]
+                     for p in (rng.randrange(n // HIT) * HIT for _ in range(reps))]
         self.scheds = {"lookup_cold": _scheduler(self.be, TINY, 0.0),
                        "lookup_warm": _scheduler(self.be, TINY, 30.0)}
         # (packed before the timing, as the send thread packs before its write)
-        self.saves = {i: _block(_hash(n + i), self.page) for i in range(-20, reps)}
+        self.saves = {i: _block(name(n + HIT * (20 + i)), self.page) for i in range(-20, reps)}
 
     def lookup(self, label: str, i: int) -> None:
         req = types.SimpleNamespace(
@@ -259,10 +289,14 @@ def _worker(path: str, cap: int, shards: int, seconds: float, start: float, q,
     pid = os.getpid()
     arena = _Arena(PAGE, 16)
 
+    # (a save: the next 4 blocks of one long prompt, named as the scheduler
+    # names them - small blocks in runs that share a shard)
+    layout, chain = _layout(PAGE), _Chain(pid * 10**7)
+
     def put_items(i: int) -> list[tuple[bytes, bytes]]:  # (4 blocks, 16 pages)
         arena.off = 0
-        return [kv for b in range(4) for kv in arena.block(_hash(pid * 10**6 + i * 4 + b),
-                                                           payload)]
+        return [kv for b in range(4)
+                for kv in arena.block(layout.block_hash(chain, i * 4 + b), payload)]
 
     while time.time() < start:
         time.sleep(0.001)

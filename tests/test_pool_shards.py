@@ -11,6 +11,7 @@ and eviction tests catch it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ MiB = 1 << 20
 
 
 def _hash(i: int) -> bytes:
-    return i.to_bytes(8, "big") * 4
+    return hashlib.sha256(i.to_bytes(8, "big")).digest()  # (a pool routes by its first bytes)
 
 
 def block_keys(h: bytes, ranks: int = 2, layers: int = 3) -> list[bytes]:
@@ -317,9 +318,59 @@ def test_the_connectors_opening_follows_the_shards_field(tmp_path):
                                             "on_backend_unavailable": "fail"}))
 
 
-def test_a_lookup_touches_only_the_shards_its_blocks_live_in(tmp_path):
-    # the scheduler's real lookup (markers, verification, pins) of a 3-block
-    # hit on an 8-shard pool: the shards holding none of its blocks see no call
+def _layout(page_bytes: int, layers: int = 4, block: int = 640, unit: int = 640):
+    from vllm_layerwise_patch.pool.layout import PoolLayout
+
+    names = tuple(f"model.layers.{i}.x" for i in range(layers))
+    return PoolLayout(kinds=("attn",), block_size=block, hash_block_size=unit,
+                      group_layers=(names,), page_bytes=page_bytes)
+
+
+def test_small_blocks_are_named_in_runs_that_route_together():
+    # the span: as many blocks as fit 16 MiB of one rank's pages, a power of
+    # two within [1, 64]; a block of 16 MiB or more (a GPU model's 2 MiB
+    # pages on 32 layers: 64 MiB) is a run of its own and named by its hash
+    assert _layout(160 << 10).route_span == 16  # 640 KiB blocks: 25 fit
+    assert _layout(100).route_span == 64
+    assert _layout(1 << 20, layers=8).route_span == 2
+    assert _layout(2 << 20, layers=32).route_span == 1
+    assert _layout(0).route_span == 1  # (page size unknown)
+    layout = _layout(160 << 10)
+    chain = [_hash(i) for i in range(40)]
+    names = layout.block_hashes(chain, 0, 40)
+    # a name: the route tag of its run (4 bytes), then the block's own hash
+    assert all(name[4:] == h for name, h in zip(names, chain))
+    tags = [name[:4] for name in names]
+    assert tags[:16] == [tags[0]] * 16 and tags[16:32] == [tags[16]] * 16
+    assert len({tags[0], tags[16], tags[32]}) == 3
+    # a run lives in one shard, whatever the count
+    for n in (2, 8, 64):
+        assert len({shard_of(page_key(NS, ATTN, h, 0, "0"), n) for h in names[:16]}) == 1
+    # a function of the prefix: another prompt sharing the first 20 blocks
+    # names them alike (block 17's run starts at block 16, shared), and the
+    # rest otherwise
+    other = chain[:20] + [_hash(1000 + i) for i in range(20)]
+    others = layout.block_hashes(other, 0, 40)
+    assert others[:20] == names[:20] and others[32:] != names[32:]
+    # hashes finer than the block (prefix_match_unit): a run's tag is its first
+    # block's hash, the one at that block's last unit
+    fine = _layout(160 << 10, block=640, unit=160)
+    units = [_hash(i) for i in range(4 * 40)]
+    named = fine.block_hashes(units, 0, 40)
+    assert named[17] == layout.block_hashes(units[3::4], 0, 40)[17]
+    assert named[17][4:] == units[4 * 17 + 3]
+    # a span of one: the hash alone, as before runs
+    assert _layout(2 << 20, layers=32).block_hashes(chain, 0, 3) == chain[:3]
+
+
+@pytest.mark.parametrize("page_bytes", [100, 0], ids=["runs", "control-span-1"])
+def test_a_lookup_touches_only_the_shards_its_blocks_live_in(tmp_path, page_bytes):
+    # the scheduler's real lookup (markers, verification, pins) of a 16-block
+    # hit on an 8-shard pool, its blocks saved under the names the layout
+    # gives them: the shards holding none of its blocks see no call.  Small
+    # blocks are named in runs (one route tag for 64 blocks here), so the
+    # whole hit lives in one shard; the control (page size unknown: a run
+    # per block) spreads the same hit over most shards.
     import types
 
     from vllm_layerwise_patch.pool.layout import PoolLayout
@@ -329,13 +380,16 @@ def test_a_lookup_touches_only_the_shards_its_blocks_live_in(tmp_path):
     layers = (("model.layers.0.x", "model.layers.1.x", "model.layers.2.x"),
               ("model.layers.3.x",))
     layout = PoolLayout(kinds=("state", "attn"), block_size=640, hash_block_size=640,
-                        group_layers=layers, page_bytes=100)
+                        group_layers=layers, page_bytes=page_bytes)
+    assert layout.route_span == (64 if page_bytes else 1)
     sched = PoolScheduler(vllm_config=types.SimpleNamespace(kv_transfer_config=None),
                           layout=layout, backend=be, namespace=NS,
                           config=PoolConfig.from_extra({"hit_cache_ttl": 0}))
-    hashes = [_hash(i) for i in (3, 4, 5)]
+    n = 16
+    hashes = [_hash(i) for i in range(3, 3 + n)]
+    names = layout.block_hashes(hashes, 0, n)
     items = []
-    for h in hashes:
+    for h in names:
         keys = [page_key(NS, STATE, h, 0, str(i)) for i in range(3)]
         keys += [page_key(NS, ATTN, h, 0, "3"), marker_key(NS, STATE, h, 0),
                  marker_key(NS, ATTN, h, 0)]
@@ -343,13 +397,14 @@ def test_a_lookup_touches_only_the_shards_its_blocks_live_in(tmp_path):
     be.put_many(items)
     for s in be.shards:
         s.calls.clear()
-    homes = {shard_of(page_key(NS, ATTN, h, 0, "3"), 8) for h in hashes}
-    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=3 * 640 + 1, request_id="r",
+    homes = {shard_of(page_key(NS, ATTN, h, 0, "3"), 8) for h in names}
+    req = types.SimpleNamespace(block_hashes=hashes, num_tokens=n * 640 + 1, request_id="r",
                                 all_token_ids=[])
     hit, _ = sched.get_num_new_matched_tokens(req, 0)
-    assert hit == 3 * 640
+    assert hit == n * 640
     touched = {i for i, s in enumerate(be.shards) if sum(s.calls.values())}
-    assert touched == homes and len(homes) < 8
+    assert touched == homes
+    assert len(homes) == 1 if page_bytes else len(homes) >= 4
     assert all(be.shards[i].calls["exists"] >= 1 and be.shards[i].calls["read"] == 1
                for i in homes)
     sched.request_finished(req)

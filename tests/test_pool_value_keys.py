@@ -114,10 +114,11 @@ def test_the_lookup_drops_a_block_holding_a_value_of_another_key(tmp_path, monke
 
     _blind(monkeypatch, blind)
     hashes = [bytes([i]) * 32 for i in range(BLOCKS)]
-    be, key_a, _, _ = _lmdb_pool(tmp_path / "pool", hashes)
     layout = PoolLayout(kinds=(ATTN, STATE), block_size=4, hash_block_size=4,
                         group_layers=(("model.layers.0.x",), ("model.layers.1.x",)),
                         page_bytes=PAGE)
+    names = layout.block_hashes(hashes, 0, BLOCKS)  # (as the scheduler names them)
+    be, key_a, _, _ = _lmdb_pool(tmp_path / "pool", names)
     sched = PoolScheduler(vllm_config=SimpleNamespace(kv_transfer_config=None), layout=layout,
                           backend=be, namespace=NS, config=PoolConfig.from_extra({}))
     req = SimpleNamespace(block_hashes=hashes, num_tokens=BLOCKS * 4 + 1, request_id="r")
@@ -127,7 +128,7 @@ def test_the_lookup_drops_a_block_holding_a_value_of_another_key(tmp_path, monke
         assert sched.hits.lookup(req, 0) == 1  # the hit ends before block 1
         assert sched.log.seen == {"other-key"}
         # block 1's attention group went, marker included: it is saved again
-        assert be.exists_many([key_a, marker_key(NS, ATTN, hashes[1], 0)]) == [False, False]
+        assert be.exists_many([key_a, marker_key(NS, ATTN, names[1], 0)]) == [False, False]
     be.close()
 
 

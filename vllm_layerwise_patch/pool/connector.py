@@ -167,10 +167,11 @@ class LayerwisePoolConnector(KVConnectorBase_V1, SupportsHMA):
                                       backend=self.backend, namespace=self.ns,
                                       config=self.pool_config)
         logger.info("vllm-layerwise-patch pool (%s): %s at %s, namespace %s, block %d "
-                    "tokens, prefix hashes every %d", role.name.lower(),
-                    self.pool_config.backend, getattr(self.backend, "path", None),
-                    self.ns.hex(),
-                    self.layout.block_size, self.layout.hash_block_size)
+                    "tokens, prefix hashes every %d, blocks routed in runs of %d",
+                    role.name.lower(), self.pool_config.backend,
+                    getattr(self.backend, "path", None), self.ns.hex(),
+                    self.layout.block_size, self.layout.hash_block_size,
+                    self.layout.route_span)
 
     def _describe_namespace(self) -> None:
         """Keep the namespace's description next to its entries (JSON), for

@@ -16,10 +16,20 @@ so they also name that token ``<t>``::
     <ns>/attn/<hash>/tp<r>/L<layer>@<t>   a drafter layer's page of a block
     <ns>/attn/<hash>/tp<r>/commit@<t>     every drafter page of the block saved
 
-``<hash>`` is vLLM's prefix hash that covers exactly the block's tokens and
-everything before them (see :mod:`.layout`), ``<ns>`` the namespace
-fingerprint (:mod:`.identity`).  Everything before the last ``/`` is the
-entry's *group* - one block's pages of one kind on one rank plus their
+``<hash>`` is the block's *name*: vLLM's prefix hash that covers exactly
+the block's tokens and everything before them (see :mod:`.layout`), after a
+4-byte route tag when the layout's blocks are small (:func:`block_name`);
+``<ns>`` is the namespace fingerprint (:mod:`.identity`).  A sharded pool
+routes a key by the first 4 bytes of its name (:mod:`.backends.lmdb.shards`).
+The tag is the same for a run of consecutive blocks of a prefix (the
+layout's ``route_span``: blocks ``[k*span, (k+1)*span)``; the crc32 of the
+hash of the run's first block), so a step's save of a prompt's consecutive
+small blocks, and a lookup of its hit, touch one shard or two rather than
+one per block.  Blocks of :data:`ROUTE_BYTES` or more (a span of one) are
+named by their hash alone, routed by its own first bytes.  The tag is a
+function of the prefix, like the hash, and the span one of the layout,
+which the namespace covers: every engine of a namespace names a block
+alike.  Everything before the last ``/`` is the entry's *group* - one block's pages of one kind on one rank plus their
 marker: the unit of eviction, recency and pinning, so a block is never
 half-evicted.  Lookups check markers; a marker is written in the same
 transaction as the pages it covers.
@@ -28,13 +38,23 @@ transaction as the pages it covers.
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
-#: the key layout's version (5: Mooncake keeps a block's pages of one kind on
-#: one rank as one object, :mod:`.backends.mooncake.objects`; entries of 4
-#: are under other namespaces and never read)
-KEY_VERSION = 5
+#: the key layout's version (6: block names carry a route tag; 5: Mooncake
+#: keeps a block's pages of one kind on one rank as one object,
+#: :mod:`.backends.mooncake.objects`; entries of earlier versions are under
+#: other namespaces and never read)
+KEY_VERSION = 6
+#: bytes of one rank's pages a routing run of blocks holds (at most): runs of
+#: tiny blocks are long, so their saves and lookups cost one shard
+#: transaction; a block that alone fills it is a run of its own
+ROUTE_BYTES = 16 << 20
+#: the most blocks of a routing run
+MAX_ROUTE_SPAN = 64
+#: bytes of a name's route tag
+TAG_BYTES = 4
 ATTN, STATE = "attn", "state"
 KINDS = (ATTN, STATE)
 COMMIT = "commit"
@@ -75,6 +95,12 @@ def check_unique_ids(names: Iterable[str]) -> None:
         if other != n:
             raise ValueError(f"layers {other!r} and {n!r} map to the same pool key "
                              f"id {layer_id(n)!r}")
+
+
+def block_name(head: Any, block_hash: Any) -> bytes:
+    """A block's name in pool keys: the route tag of its run (the crc32 of
+    ``head``, the hash of the run's first block), then its own hash."""
+    return zlib.crc32(bytes(head)).to_bytes(TAG_BYTES, "big") + bytes(block_hash)
 
 
 def hash_hex(block_hash: Any) -> str:

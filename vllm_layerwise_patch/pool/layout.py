@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .config import PoolConfigError
-from .keys import ATTN, STATE, check_unique_ids, forward_order, layer_id
+from .keys import (ATTN, MAX_ROUTE_SPAN, ROUTE_BYTES, STATE, block_name, check_unique_ids,
+                   forward_order, layer_id)
 
 
 def _group_spec(group: Any) -> Any:
@@ -153,10 +154,28 @@ class PoolLayout:
         """Full pool blocks covered by ``hashes``."""
         return len(hashes) // self.hashes_per_block
 
+    @functools.cached_property
+    def route_span(self) -> int:
+        """Pool blocks per routing run (:func:`.keys.block_name`): a power of
+        two, as many blocks as fit :data:`.keys.ROUTE_BYTES` on one rank (1
+        when a block alone fills it, :data:`.keys.MAX_ROUTE_SPAN` at most; 1
+        when the page size is not known)."""
+        block = self.page_bytes * len(self.layer_group)
+        if block <= 0:
+            return 1
+        fit = max(1, min(MAX_ROUTE_SPAN, ROUTE_BYTES // block))
+        return 1 << (fit.bit_length() - 1)
+
     def block_hash(self, hashes: Sequence[Any], i: int) -> bytes:
-        """The hash naming pool block ``i``: it covers tokens
-        ``[0, (i+1)*block)`` exactly."""
-        return bytes(hashes[(i + 1) * self.hashes_per_block - 1])
+        """The name of pool block ``i`` in pool keys: the hash that covers
+        tokens ``[0, (i+1)*block)`` exactly; in runs of several blocks
+        (``route_span`` > 1) after its run's route tag
+        (:func:`.keys.block_name`)."""
+        r, span = self.hashes_per_block, self.route_span
+        own = hashes[(i + 1) * r - 1]
+        if span == 1:
+            return bytes(own)
+        return block_name(hashes[(i - i % span + 1) * r - 1], own)
 
     def block_hashes(self, hashes: Sequence[Any], start: int, end: int) -> list[bytes]:
         return [self.block_hash(hashes, i) for i in range(start, end)]

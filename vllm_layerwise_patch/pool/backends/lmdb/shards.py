@@ -10,13 +10,17 @@ pool directory, and every engine follows what the pool records, whatever it
 is configured with: routing never depends on an engine's configuration, so
 two engines can never look for one block in two shards.
 
-Routing: a key ``<ns>/<kind>/<block hash>/tp<r>/...`` (and its group
-``<ns>/<kind>/<block hash>/tp<r>``) lives in shard ``crc32(<block hash>) %
-N``: a block's groups of every kind (attention pages, boundary states,
-drafter pages) on every TP rank, and their commit markers, share one shard,
-so one block is stored in one write transaction and evicted as a whole.
-Other keys (the namespace description ``<ns>/meta/namespace``) route with
-their group, by their first two components.
+Routing: a key ``<ns>/<kind>/<name>/tp<r>/...`` (and its group
+``<ns>/<kind>/<name>/tp<r>``) lives in shard ``crc32(<tag>) % N``, ``<tag>``
+the first 8 hex digits of the block's name: its route tag, the same for a
+run of consecutive small blocks of a prefix (:func:`..keys.block_name`), or
+the first bytes of its hash (a block that is a run of its own).  So a block's groups of every kind (attention pages, boundary
+states, drafter pages) on every TP rank, and their commit markers, share
+one shard - one block is stored in one write transaction and evicted as a
+whole - and so do the blocks of a run: a step's save of a prompt's
+consecutive blocks is one transaction, not one per block's shard.  Other
+keys (the namespace description ``<ns>/meta/namespace``) route with their
+group, by their first two components.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import logging
 import os
 import zlib
+
+from ...keys import TAG_BYTES
 
 
 logger = logging.getLogger("vllm.layerwise_patch")
@@ -43,9 +49,10 @@ def shard_name(i: int) -> str:
 
 
 def route(key: bytes, by_key: bool = False) -> bytes:
-    """What a key is routed by: its block hash (the third ``/`` component of
-    a block's key or group, which have four or more); any other key and
-    its group by their first two components (``<ns>/meta/namespace`` and its
+    """What a key is routed by: the first 8 hex digits of its block's name
+    (the third ``/`` component of a block's key or group, which have four
+    or more: its route tag); any other key and its group by their first two
+    components (``<ns>/meta/namespace`` and its
     group ``<ns>/meta`` alike).  ``by_key`` (the tests'
     ``shard_by_key`` fault) routes by the whole key instead: a block's
     groups, and a group's pages and marker, then spread over shards."""
@@ -53,7 +60,7 @@ def route(key: bytes, by_key: bool = False) -> bytes:
     if by_key:
         return key
     parts = key.split(b"/", 3)
-    return parts[2] if len(parts) > 3 else b"/".join(parts[:2])
+    return parts[2][:2 * TAG_BYTES] if len(parts) > 3 else b"/".join(parts[:2])
 
 
 def shard_of(key: bytes, n: int, by_key: bool = False) -> int:
