@@ -29,10 +29,11 @@ one per block.  Blocks of :data:`ROUTE_BYTES` or more (a span of one) are
 named by their hash alone, routed by its own first bytes.  The tag is a
 function of the prefix, like the hash, and the span one of the layout,
 which the namespace covers: every engine of a namespace names a block
-alike.  Everything before the last ``/`` is the entry's *group* - one block's pages of one kind on one rank plus their
-marker: the unit of eviction, recency and pinning, so a block is never
-half-evicted.  Lookups check markers; a marker is written in the same
-transaction as the pages it covers.
+alike.  Everything before the last ``/`` is the entry's *group* - one
+block's pages of one kind on one rank plus their marker: the unit of
+eviction, recency and pinning, so a block is never half-evicted.
+Lookups check markers; a marker is written in the same transaction as the
+pages it covers.
 """
 
 from __future__ import annotations

@@ -14,13 +14,14 @@ Routing: a key ``<ns>/<kind>/<name>/tp<r>/...`` (and its group
 ``<ns>/<kind>/<name>/tp<r>``) lives in shard ``crc32(<tag>) % N``, ``<tag>``
 the first 8 hex digits of the block's name: its route tag, the same for a
 run of consecutive small blocks of a prefix (:func:`..keys.block_name`), or
-the first bytes of its hash (a block that is a run of its own).  So a block's groups of every kind (attention pages, boundary
-states, drafter pages) on every TP rank, and their commit markers, share
-one shard - one block is stored in one write transaction and evicted as a
-whole - and so do the blocks of a run: a step's save of a prompt's
-consecutive blocks is one transaction, not one per block's shard.  Other
-keys (the namespace description ``<ns>/meta/namespace``) route with their
-group, by their first two components.
+the first bytes of its hash (a block that is a run of its own).  So a
+block's groups of every kind (attention pages, boundary states, drafter
+pages) on every TP rank, and their commit markers, share one shard - one
+block is stored in one write transaction and evicted as a whole - and so
+do the blocks of a run: a step's save of a prompt's consecutive blocks is
+one transaction, not one per block's shard.  Other keys (the namespace
+description ``<ns>/meta/namespace``) route with their group, by their
+first two components.
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ def route(key: bytes, by_key: bool = False) -> bytes:
     """What a key is routed by: the first 8 hex digits of its block's name
     (the third ``/`` component of a block's key or group, which have four
     or more: its route tag); any other key and its group by their first two
-    components (``<ns>/meta/namespace`` and its
-    group ``<ns>/meta`` alike).  ``by_key`` (the tests'
-    ``shard_by_key`` fault) routes by the whole key instead: a block's
-    groups, and a group's pages and marker, then spread over shards."""
+    components (``<ns>/meta/namespace`` and its group ``<ns>/meta`` alike).
+    ``by_key`` (the tests' ``shard_by_key`` fault) routes by the whole key
+    instead: a block's groups, and a group's pages and marker, then spread
+    over shards."""
     key = bytes(key)
     if by_key:
         return key
